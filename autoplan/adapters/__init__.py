@@ -1,0 +1,1 @@
+"""Thin adapters over private torch APIs: a torch upgrade should touch only these modules."""

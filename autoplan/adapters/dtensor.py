@@ -1,0 +1,146 @@
+"""Adapter over the private parts of ``torch.distributed.tensor`` (sharding rules, specs, redistribute plans).
+
+Everything autoplan needs from ``torch.distributed.tensor._*`` goes through here, so that a torch
+upgrade touches one module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops import utils as _dtensor_op_utils
+from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
+
+Placements = tuple[Placement, ...]
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def make_spec(mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensorSpec:
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+@dataclass(frozen=True)
+class RedistributeStep:
+    """One per-mesh-dim transition of a redistribution, as DTensor itself would perform it."""
+
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+    logical_shape: tuple[int, ...]  # the tensor's shape on this mesh dim before the step
+
+
+def redistribute_steps(
+    mesh: DeviceMesh, src: Placements, dst: Placements, meta: TensorMeta
+) -> tuple[RedistributeStep, ...]:
+    """The ordered per-mesh-dim steps DTensor's redistribute uses to go from ``src`` to ``dst``."""
+    if tuple(src) == tuple(dst):
+        return ()
+    infos = _gen_transform_infos(make_spec(mesh, src, meta), make_spec(mesh, dst, meta))
+    return tuple(
+        RedistributeStep(i.mesh_dim, i.src_dst_placements[0], i.src_dst_placements[1], tuple(i.logical_shape))
+        for i in infos
+    )
+
+
+def sharding_propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def n_tensor_outputs(op: torch._ops.OpOverload) -> int:
+    return sum(1 for r in op._schema.returns if "Tensor" in str(r.type))
+
+
+def single_dim_rules(op: torch._ops.OpOverload, args_meta: tuple, kwargs_meta: dict) -> list[tuple] | None:
+    """DTensor's single-mesh-dim rules for ``op`` as rows ``(out..., in...)``; ``None`` if it has none.
+
+    Sharding placeholders become plain ``Shard`` (autoplan never plans strided shards). The
+    all-replicate rule is implied and not included.
+    """
+    info = sharding_propagator().op_single_dim_strategy_funcs.get(op)
+    if info is None:
+        return None
+    rows = info.func(op, args_meta, kwargs_meta)
+    return [tuple(Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p for p in row) for row in rows]
+
+
+def has_full_rule(op: torch._ops.OpOverload) -> bool:
+    return op in sharding_propagator().op_strategy_funcs
+
+
+def input_choices(mesh: DeviceMesh, placements: Sequence[Placements], meta: TensorMeta) -> OpStrategy:
+    """The candidate placements of one tensor argument, in the form DTensor strategy functions consume."""
+    return OpStrategy([OpSpec(make_spec(mesh, p, meta)) for p in placements])
+
+
+def tuple_choices(children: Sequence[OpStrategy]) -> TupleStrategy:
+    return TupleStrategy(tuple(children))
+
+
+@contextlib.contextmanager
+def _no_redistribute_costs():
+    """DTensor's rules price every (input choice, expected spec) pair with a path search that
+    dominates enumeration time; autoplan prices redistributions itself, so skip it while enumerating.
+    """
+    saved = _dtensor_op_utils.redistribute_cost
+    _dtensor_op_utils.redistribute_cost = lambda src, dst: 0.0
+    try:
+        yield
+    finally:
+        _dtensor_op_utils.redistribute_cost = saved
+
+
+def full_rule_strategies(op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict) -> list[tuple]:
+    """Run DTensor's N-D strategy function; return ``(output placements, input placements)`` pairs.
+
+    Output placements is a tuple (one entry per tensor output, ``None`` for absent ones); input
+    placements has one entry per tensor argument in flattened argument order.
+    """
+    with _no_redistribute_costs():
+        strategy = sharding_propagator().op_strategy_funcs[op](OpSchema(op, args_schema, kwargs_schema))
+    if isinstance(strategy, TupleStrategy):
+        raise NotImplementedError(f"{op} returns a per-output tuple strategy")
+    pairs = []
+    for spec in strategy.strategies:
+        outs = spec.output_specs
+        out_pl = (
+            (outs.placements,)
+            if isinstance(outs, DTensorSpec)
+            else tuple(o.placements if o is not None else None for o in outs)
+        )
+        ins = spec.input_specs
+        in_pl = tuple(i.placements for i in ins) if ins is not None else None
+        pairs.append((out_pl, in_pl))
+    return pairs
+
+
+def propagate_output_placements(
+    op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict
+) -> tuple[Placements | None, ...]:
+    """What DTensor's own propagation gives for given input specs (used to validate plans)."""
+    out = sharding_propagator().propagate_op_sharding(OpSchema(op, args_schema, kwargs_schema))
+    if out.needs_redistribute:
+        raise ValueError(f"DTensor would redistribute the inputs of {op} for these placements")
+    specs = out.output_spec
+    if isinstance(specs, DTensorSpec):
+        return (specs.placements,)
+    return tuple(s.placements if s is not None else None for s in specs)
+
+
+def shard_dim(placement: Placement) -> int | None:
+    """The tensor dim a placement splits, counting DTensor's private ``_StridedShard`` too; ``None`` if unsplit."""
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim
+    return None

@@ -1,0 +1,271 @@
+"""``AutoParallel``: the user-facing entry point, from (model, mesh, inputs) to a ``Plan``."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoplan.adapters.dtensor import tensor_meta
+from autoplan.clustering import Clustering, find_repeats
+from autoplan.constraints import ConstraintError, Pin
+from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
+from autoplan.evaluate import evaluate, expand_choice, memory_report
+from autoplan.ilp import BudgetRow, FixedRows, solve_placement
+from autoplan.plan import Plan, placements_str
+from autoplan.problem import allowed_strategies, build_problem
+from autoplan.strategies import Placements, StrategyBuilder, enumerate_strategies, is_valid
+from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
+
+
+def _check_mesh(mesh: Any) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim < 1 or any(s < 1 for s in mesh.shape):
+        raise ValueError(f"mesh has an invalid shape {tuple(mesh.shape)}")
+    return mesh
+
+
+def _unsplittable(val: torch.Tensor, placements: Placements, mesh_shape: Sequence[int]) -> str:
+    return (
+        f"shape {tuple(val.shape)} cannot be placed as {placements_str(placements)} on mesh {tuple(mesh_shape)}"
+        " (a sharded dim must be divisible by the product of the mesh dims that shard it)"
+    )
+
+
+class AutoParallel:
+    """Plan how to split a training step of ``model`` over ``mesh``.
+
+    Use as a context manager: entering traces the model (on fake tensors) and enumerates
+    strategies, constraints are then added, and ``optimize_placement`` solves the ILP.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        input_fn: Callable[[], Any],
+        loss_fn: Callable | None = None,
+        device_profile: DeviceProfile = H100_SXM,
+        *,
+        strict: bool = False,
+        cluster_layers: bool = True,
+        merge_followers: bool = True,
+        solver_backend: str = "highs",
+        time_limit: float | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.mesh = _check_mesh(mesh)
+        self.input_fn = input_fn
+        self.loss_fn = loss_fn
+        self.device_profile = device_profile
+        self.strict = strict
+        self.cluster_layers = cluster_layers
+        self.merge_followers = merge_followers
+        self.solver_backend = solver_backend
+        self.time_limit = time_limit
+        self._inputs: dict[int, Placements] = {}
+        self._outputs: dict[int, Placements] = {}
+        self._pins: list[Pin] = []
+        self._param_budget: float | None = None
+        self.timings: dict[str, float] = {}
+        self.traced: TracedGraph | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> AutoParallel:
+        t0 = time.perf_counter()
+        self.traced = trace_joint(self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type)
+        t1 = time.perf_counter()
+        self.clustering = self._cluster()
+        self.strategies = enumerate_strategies(
+            self.traced.gm.graph, self.clustering.rep, StrategyBuilder(self.mesh, strict=self.strict)
+        )
+        t2 = time.perf_counter()
+        self.timings = {"trace": t1 - t0, "strategies": t2 - t1}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def _cluster(self) -> Clustering:
+        if self.cluster_layers:
+            return find_repeats(self.traced)
+        nodes = list(self.traced.gm.graph.nodes)
+        return Clustering({n: n for n in nodes}, {n: 1 for n in nodes}, (), {n: "" for n in nodes})
+
+    def _require_traced(self) -> TracedGraph:
+        if self.traced is None:
+            raise RuntimeError("use AutoParallel as a context manager: `with AutoParallel(...) as ap:`")
+        return self.traced
+
+    # ---- constraints ----------------------------------------------------------------------
+
+    def _check_placements(self, what: str, val, placements) -> Placements:
+        placements = tuple(placements)
+        if len(placements) != self.mesh.ndim:
+            raise ConstraintError(f"{what}: {len(placements)} placements given for a {self.mesh.ndim}-D mesh")
+        if not is_valid(placements, val, tuple(self.mesh.shape)):
+            raise ConstraintError(f"{what}: {_unsplittable(val, placements, self.mesh.shape)}")
+        return placements
+
+    def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> None:
+        """Placements of the model inputs, in ``input_fn()`` order (``None`` leaves one free)."""
+        inputs = self._require_traced().placeholder_for("input")
+        if len(constraints) > len(inputs):
+            raise ConstraintError(f"{len(constraints)} input constraints given, but the model has {len(inputs)} inputs")
+        for i, c in enumerate(constraints):
+            if c is not None:
+                self._inputs[i] = self._check_placements(f"input {i}", inputs[i].meta["val"], c)
+
+    def add_output_constraints(self, constraints: Sequence[Sequence | None]) -> None:
+        """Placements of the model outputs (and of their incoming gradients)."""
+        outputs = self._require_traced().outputs_of("output")
+        if len(constraints) > len(outputs):
+            raise ConstraintError(f"{len(constraints)} output constraints given, but the model has {len(outputs)} outputs")
+        for i, c in enumerate(constraints):
+            if c is not None:
+                self._outputs[i] = self._check_placements(f"output {i}", outputs[i].meta["val"], c)
+
+    def add_node_constraint(self, target: fx.Node | str, placements: Sequence) -> None:
+        """Pin the output placements of a node, a parameter FQN or a module's forward output (globs allowed).
+
+        Repeated layers share decisions, so pinning a node of one layer pins its copies too.
+        """
+        name = target.name if isinstance(target, fx.Node) else str(target)
+        nodes = self._pin_targets(name)
+        if not nodes:
+            raise ConstraintError(f"node constraint {name!r} matches no node, parameter or module")
+        for n in nodes:
+            self._check_placements(f"node constraint {name!r} ({n.name})", n.meta["val"], placements)
+        self._pins.append(Pin(name, tuple(placements)))
+
+    def add_memory_constraint(self, param_fraction: float | None = None, bytes_per_device: float | None = None) -> None:
+        """Cap per-device parameter bytes, as a fraction of the whole model's or in bytes."""
+        if (param_fraction is None) == (bytes_per_device is None):
+            raise ConstraintError("give exactly one of param_fraction or bytes_per_device")
+        if param_fraction is not None:
+            if not 0 < param_fraction <= 1:
+                raise ConstraintError(f"param_fraction must be in (0, 1], got {param_fraction}")
+            total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            bytes_per_device = param_fraction * total
+        self._param_budget = float(bytes_per_device)
+
+    def _pin_targets(self, name: str) -> list[fx.Node]:
+        tg = self._require_traced()
+        nodes = [n for n in tg.gm.graph.nodes if n.op != "output" and fnmatch.fnmatchcase(n.name, name)]
+        nodes += [n for fqn, n in tg.placeholder_for("param").items() if fnmatch.fnmatchcase(fqn, name)]
+        last_forward: dict[str, fx.Node] = {}
+        for n in tg.gm.graph.nodes:
+            if n.meta.get(PHASE_KEY) == "forward" and n.op == "call_function":
+                path = n.meta.get(PATH_KEY, "")
+                for i in range(len(path.split("."))):
+                    last_forward[".".join(path.split(".")[: i + 1])] = n
+        nodes += [n for path, n in last_forward.items() if fnmatch.fnmatchcase(path, name)]
+        return list(dict.fromkeys(nodes))
+
+    # ---- solve ----------------------------------------------------------------------------
+
+    def _fixed_rows(self, problem) -> list[FixedRows]:
+        tg = self.traced
+        rows = []
+
+        def fixed(group: str, nodes: list[fx.Node], placements: Placements) -> None:
+            items = []
+            for n in nodes:
+                allowed = allowed_strategies(problem, n, placements)
+                if not allowed:
+                    raise ConstraintError(f"{group}: no strategy of node {n.name} ({n.target}) outputs that placement")
+                unit = problem.root[problem.clustering.rep[n]][0]
+                items.append((unit, tuple(allowed)))
+            rows.append(FixedRows(group, tuple(items)))
+
+        inputs = tg.placeholder_for("input")
+        for i, pl in self._inputs.items():
+            fixed(f"input constraint {i} = {placements_str(pl)}", [inputs[i]], pl)
+        tangents = tg.placeholder_for("tangent")
+        for i, pl in self._outputs.items():
+            if i in tangents:
+                fixed(f"output constraint {i} = {placements_str(pl)}", [tangents[i]], pl)
+        for pin in self._pins:
+            fixed(f"node constraint {pin.target} = {placements_str(pin.placements)}", self._pin_targets(pin.target), pin.placements)
+        return rows
+
+    def _budget_rows(self, problem) -> list[BudgetRow]:
+        if self._param_budget is None:
+            return []
+        coeffs: dict[fx.Node, np.ndarray] = {}
+        mesh_shape = tuple(self.mesh.shape)
+        for n in self.traced.placeholder_for("param").values():
+            rep = problem.clustering.rep[n]
+            if rep is not n:
+                continue
+            unit, m = problem.root[rep]
+            meta = tensor_meta(n.meta["val"])
+            per = np.array([local_bytes(meta, problem.strategies[rep][i].output, mesh_shape) for i in m], dtype=float)
+            coeffs[unit] = coeffs.get(unit, 0) + per * problem.clustering.multiplicity[rep]
+        group = f"memory constraint: parameter bytes per device <= {self._param_budget:.6g}"
+        return [BudgetRow(group, tuple(coeffs.items()), self._param_budget)]
+
+    def optimize_placement(self) -> Plan:
+        tg = self._require_traced()
+        t0 = time.perf_counter()
+        cost_model = CostModel(self.mesh, self.device_profile)
+        problem = build_problem(
+            tg, self.clustering, self.strategies, cost_model, self._outputs, merge=self.merge_followers
+        )
+        fixed, budgets = self._fixed_rows(problem), self._budget_rows(problem)
+        t1 = time.perf_counter()
+        solved = solve_placement(problem, fixed, budgets, time_limit=self.time_limit, backend=self.solver_backend)
+        t2 = time.perf_counter()
+        chosen = expand_choice(tg, problem, solved.choice)
+        ev = evaluate(tg, chosen, cost_model, self._outputs)
+        mesh_shape = tuple(self.mesh.shape)
+        if not math.isclose(ev.cost.total, solved.objective_without_tie_break, rel_tol=1e-6, abs_tol=1e-9):
+            warnings.warn(
+                f"reduced ILP objective {solved.objective_without_tie_break:.6g}s differs from the expanded plan's"
+                f" cost {ev.cost.total:.6g}s; the reported cost is the expanded one",
+                stacklevel=2,
+            )
+        t3 = time.perf_counter()
+        timings = {
+            **self.timings,
+            "costs": t1 - t0,
+            "ilp_build": solved.build_time,
+            "solve": solved.solve_time,
+            "plan": t3 - t2,
+        }
+        return Plan(
+            mesh_shape=mesh_shape,
+            mesh_dim_names=tuple(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else None,
+            device=self.device_profile.name,
+            nodes=ev.nodes,
+            param_placements={fqn: chosen[n].output for fqn, n in tg.placeholder_for("param").items()},
+            cost=ev.cost,
+            memory=memory_report(tg, chosen, mesh_shape),
+            redistributions=ev.redistributions,
+            solver=solved.result.to_dict() | {"x": None},
+            ilp={
+                "n_vars": solved.n_vars,
+                "n_rows": solved.n_rows,
+                "n_edge_vars": solved.n_edge_vars,
+                "n_units": len(problem.units),
+                "n_merged": problem.n_merged,
+                "n_clustered": self.clustering.n_clustered,
+                "n_nodes": len(tg.gm.graph.nodes),
+                "objective": solved.objective_without_tie_break,
+            },
+            timings=timings,
+            layer_classes=[list(c) for c in self.clustering.classes],
+        )

@@ -1,0 +1,108 @@
+"""Planning benchmarks: ``python -m autoplan.bench plan --model llama3-8b --mesh 16x8 [--json out.json]``.
+
+Plans on a fake process group (no GPUs, no peers), prints wall time per phase, ILP size, objective,
+gap and peak RSS, and writes them to JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+
+import torch
+
+
+def _fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _model(name: str, dtype: torch.dtype):
+    from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+
+    family, _, size = name.partition("-")
+    if family != "llama3" or size not in LLAMA3_CONFIGS:
+        raise SystemExit(f"unknown model {name!r}; choose from " + ", ".join(f"llama3-{k}" for k in LLAMA3_CONFIGS))
+    cfg = LLAMA3_CONFIGS[size]
+    with torch.device("meta"):
+        model = Transformer(cfg).to(dtype)
+    return model, cfg
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoplan import AutoParallel
+
+    shape = tuple(int(x) for x in args.mesh.lower().split("x"))
+    names = ("dp", "tp", "cp", "pp")[: len(shape)]
+    mesh = _fake_mesh(shape, names)
+    model, cfg = _model(args.model, getattr(torch, args.dtype))
+    seq = args.seq or min(8192, cfg.max_seq_len)
+    batch, vocab = args.batch, cfg.vocab_size
+    t0 = time.perf_counter()
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq))) as ap:
+        batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+        ap.add_input_constraints([batch_pl])
+        ap.add_output_constraints([batch_pl])
+        ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
+        plan = ap.optimize_placement()
+    wall = time.perf_counter() - t0
+    result = {
+        "model": args.model,
+        "mesh": list(shape),
+        "batch": batch,
+        "seq": seq,
+        "dtype": args.dtype,
+        "wall_s": wall,
+        "phases_s": plan.timings,
+        "ilp": plan.ilp,
+        "objective_s": plan.cost.total,
+        "solver": {k: plan.solver.get(k) for k in ("backend", "status", "objective", "bound", "gap", "lp_was_integral")},
+        "collectives": plan.collective_counts(),
+        "peak_rss_gib": _peak_rss_gib(),
+    }
+    print(plan.summary())
+    print()
+    print(f"model -> plan: {wall:.2f} s wall   peak RSS {result['peak_rss_gib']:.2f} GiB")
+    print("phases: " + "  ".join(f"{k} {v:.2f}s" for k, v in plan.timings.items()))
+    print(f"ILP: {plan.ilp['n_vars']} variables ({plan.ilp['n_edge_vars']} edge), {plan.ilp['n_rows']} rows,"
+          f" {plan.ilp['n_units']} units for {plan.ilp['n_nodes']} graph nodes")
+    print(f"objective {plan.cost.total * 1e3:.2f} ms/step, gap {plan.solver.get('gap')}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autoplan.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="time model -> Plan on a fake process group")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--mesh", default="16x8")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json", default=None, help="write the numbers to this file")
+    args = parser.parse_args(argv)
+    result = run_plan(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

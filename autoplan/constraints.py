@@ -1,0 +1,44 @@
+"""User constraints on a placement plan, as plain data (the ILP turns them into rows)."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor.placement_types import Placement
+
+Placements = tuple[Placement, ...]
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be applied to this model and mesh (bad target, unsplittable shape...)."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Fix the output placements of a node (by name), a parameter (by FQN) or a module's forward output.
+
+    ``target`` may be a glob (``layers.*.attention.wq.weight``).
+    """
+
+    target: str
+    placements: Placements
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Per-device bytes allowed for parameters (gradients and optimizer state scale with them)."""
+
+    param_bytes: float
+
+
+@dataclass(frozen=True)
+class Constraints:
+    inputs: tuple[tuple[int, Placements], ...] = ()
+    outputs: tuple[tuple[int, Placements], ...] = ()
+    pins: tuple[Pin, ...] = field(default=())
+    memory: MemoryBudget | None = None
+
+
+def matches(pattern: str, name: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)

@@ -1,0 +1,124 @@
+"""Expand the ILP's per-unit choices to every node and price the result from scratch.
+
+Pricing walks the full traced graph (all layers, all edges), independently of clustering and
+follower merging, so the reported cost is the true cost of the expanded plan.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autoplan.adapters.dtensor import tensor_meta
+from autoplan.costs import CostModel, local_bytes
+from autoplan.plan import CostBreakdown, MemoryReport, NodePlan, Redistribution
+from autoplan.problem import PlacementProblem, strategy_costs
+from autoplan.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
+from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph
+
+
+def expand_choice(tg: TracedGraph, problem: PlacementProblem, choice: dict[fx.Node, int]) -> dict[fx.Node, Strategy]:
+    """The strategy of every placeholder and op node (getitems read their producer's output)."""
+    out: dict[fx.Node, Strategy] = {}
+    rep = problem.clustering.rep
+    for n in tg.gm.graph.nodes:
+        if n.op == "placeholder" or (n.op == "call_function" and n.target is not operator.getitem):
+            r = rep[n]
+            unit, m = problem.root[r]
+            out[n] = problem.strategies[r][m[choice[unit]]]
+    for n in tg.gm.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            u, k = value_of(n)
+            out[n] = Strategy((out[u].outputs[k],), ())
+    return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    nodes: dict[str, NodePlan]
+    redistributions: list[Redistribution]
+    cost: CostBreakdown
+
+
+def _op_name(n: fx.Node) -> str:
+    return n.name if n.op == "placeholder" else str(n.target)
+
+
+def _compute_key(n: fx.Node, s: Strategy) -> tuple:
+    """Everything an op's compute cost depends on (so identical layers are priced once, honestly)."""
+    metas = tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype) for a in tensor_inputs(n))
+    outs = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in output_vals(n))
+    consts = repr([a for a in n.args if not isinstance(a, fx.Node)])
+    return (n.target, metas, outs, consts, s)
+
+
+def evaluate(
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    cost_model: CostModel,
+    fixed_outputs: dict[int, Placements],
+) -> Evaluation:
+    compute_cache: dict[tuple, float] = {}
+    nodes: dict[str, NodePlan] = {}
+    redistributions: list[Redistribution] = []
+    totals = {"compute_forward": 0.0, "compute_backward": 0.0, "comm_forward": 0.0, "comm_backward": 0.0}
+
+    def phase(n: fx.Node) -> str:
+        return n.meta.get(PHASE_KEY, "backward")
+
+    def move(consumer: str, producer: fx.Node, value: fx.Node, src, dst, ph: str) -> None:
+        if src == dst:
+            return
+        meta = tensor_meta(value.meta["val"])
+        seconds = cost_model.redistribute_cost(src, dst, meta)
+        redistributions.append(
+            Redistribution(
+                consumer, producer.name, src, dst, cost_model.redistribute_collectives(src, dst, meta), seconds, ph
+            )
+        )
+        totals[f"comm_{'forward' if ph == 'forward' else 'backward'}"] += seconds
+
+    for n, s in chosen.items():
+        compute = 0.0
+        if n.op == "call_function" and n.target is not operator.getitem:
+            key = _compute_key(n, s)
+            if key not in compute_cache:
+                compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
+            compute = compute_cache[key]
+            totals[f"compute_{phase(n)}"] += compute
+            for j, a in enumerate(tensor_inputs(n)):
+                u, k = value_of(a)
+                move(n.name, u, a, chosen[u].outputs[k], s.inputs[j], phase(n))
+        nodes[n.name] = NodePlan(
+            name=n.name,
+            op=_op_name(n),
+            module=n.meta.get(PATH_KEY, ""),
+            phase=phase(n) if n.op != "placeholder" else "",
+            outputs=s.outputs,
+            inputs=s.inputs,
+            compute_s=compute,
+        )
+
+    params = tg.placeholder_for("param")
+    for fqn, g in tg.outputs_of("grad_param").items():
+        if g is not None:
+            u, k = value_of(g)
+            move(f"grad:{fqn}", u, g, chosen[u].outputs[k], chosen[params[fqn]].output, "backward")
+    tangents = tg.placeholder_for("tangent")
+    for i, o in tg.outputs_of("output").items():
+        if not isinstance(o, fx.Node):
+            continue
+        u, k = value_of(o)
+        dst = fixed_outputs.get(i, chosen[tangents[i]].output if i in tangents else None)
+        if dst is not None:
+            move(f"output:{i}", u, o, chosen[u].outputs[k], dst, "forward")
+    return Evaluation(nodes, redistributions, CostBreakdown(**totals))
+
+
+def memory_report(tg: TracedGraph, chosen: dict[fx.Node, Strategy], mesh_shape) -> MemoryReport:
+    params = tg.placeholder_for("param")
+    total = sum(local_bytes(tensor_meta(n.meta["val"]), chosen[n].output, mesh_shape) for n in params.values())
+    return MemoryReport(param_bytes=total, grad_bytes=total, optimizer_bytes=2 * total)

@@ -1,0 +1,132 @@
+"""The placement ILP: one-hot strategy per unit, placement-grouped edge variables, user constraints.
+
+    min  sum_u c_u . x_u  +  sum_edges sum_{o,q} (R[o,q] + eps [o != q]) e[o,q]
+    s.t. sum_r x[u,r] = 1                              for every unit u
+         sum_q e[o,q] = sum_{r: src(r) = o} x[src,r]   for every edge group and producer placement o
+         sum_o e[o,q] = sum_{s: dst(s) = q} x[dst,s]   for every edge group and consumer placement q
+         pins / I/O constraints / per-device parameter bytes
+Edge variables are continuous: with integral x they are forced to the product, and the LP
+relaxation is usually integral (``solvers`` tries the LP first).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+
+from autoplan.problem import PlacementProblem
+from solvers import ModelBuilder, SolveResult, solve
+
+# Seconds added per placement change: far below any real cost, it breaks ties toward fewer changes.
+TIE_BREAK = 1e-9
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """Strategy index chosen for each unit."""
+
+    choice: dict[fx.Node, int]
+    result: SolveResult
+    n_vars: int
+    n_rows: int
+    n_edge_vars: int
+    objective_without_tie_break: float
+    build_time: float
+    solve_time: float
+
+
+@dataclass(frozen=True)
+class FixedRows:
+    """A user constraint: for each (unit, allowed unit strategies) pair, one of them must be chosen."""
+
+    group: str
+    items: tuple[tuple[fx.Node, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    group: str
+    coeffs: tuple[tuple[fx.Node, np.ndarray], ...]  # per unit: bytes per unit strategy
+    limit: float
+
+
+def _one_hot_rows(b: ModelBuilder, offsets: dict[fx.Node, int], sizes: dict[fx.Node, int]) -> None:
+    units = list(offsets)
+    rows = np.concatenate([np.full(sizes[u], i) for i, u in enumerate(units)])
+    cols = np.concatenate([offsets[u] + np.arange(sizes[u]) for u in units])
+    b.add_rows(rows, cols, 1.0, lo=np.ones(len(units)), hi=np.ones(len(units)))
+
+
+def _edge_rows(b: ModelBuilder, problem: PlacementProblem, offsets: dict[fx.Node, int]) -> tuple[int, np.ndarray]:
+    """Edge variables and their marginal rows; returns (count, true cost per edge variable)."""
+    n_edge = 0
+    true_costs = []
+    for g in problem.edges:
+        finite = np.isfinite(g.cost)
+        oi, qi = np.nonzero(finite)
+        cost = g.cost[oi, qi]
+        e = b.add_vars(len(oi), cost=cost + TIE_BREAK * g.changes[oi, qi], lb=0.0, ub=1.0, integer=False)
+        n_edge += len(oi)
+        true_costs.append(cost)
+        n_o, n_q = g.cost.shape
+        # producer marginals: rows 0..n_o-1; consumer marginals: rows n_o..n_o+n_q-1
+        src_x = offsets[g.src] + np.arange(len(g.src_label))
+        dst_x = offsets[g.dst] + np.arange(len(g.dst_label))
+        rows = np.concatenate([oi, n_o + qi, g.src_label, n_o + g.dst_label])
+        cols = np.concatenate([e, e, src_x, dst_x])
+        vals = np.concatenate([np.ones(2 * len(oi)), -np.ones(len(src_x) + len(dst_x))])
+        b.add_rows(rows, cols, vals, lo=np.zeros(n_o + n_q), hi=np.zeros(n_o + n_q))
+    return n_edge, np.concatenate(true_costs) if true_costs else np.zeros(0)
+
+
+def solve_placement(
+    problem: PlacementProblem,
+    fixed: list[FixedRows],
+    budgets: list[BudgetRow],
+    time_limit: float | None = None,
+    backend: str = "highs",
+    mip_rel_gap: float = 1e-6,
+) -> UnitChoice:
+    t0 = time.perf_counter()
+    b = ModelBuilder("placement")
+    offsets: dict[fx.Node, int] = {}
+    sizes: dict[fx.Node, int] = {}
+    for u in problem.units:
+        cost = problem.unit_cost[u]
+        ub = np.where(problem.forbidden[u], 0.0, 1.0)
+        offsets[u] = int(b.add_vars(len(cost), cost=cost, lb=0.0, ub=ub, integer=True)[0])
+        sizes[u] = len(cost)
+    _one_hot_rows(b, offsets, sizes)
+    n_edge, edge_costs = _edge_rows(b, problem, offsets)
+
+    for f in fixed:
+        cols = [offsets[u] + np.asarray(allowed, dtype=np.int64) for u, allowed in f.items]
+        rows = [np.full(len(c), i) for i, c in enumerate(cols)]
+        b.add_rows(np.concatenate(rows), np.concatenate(cols), 1.0, lo=np.ones(len(cols)), hi=np.ones(len(cols)), group=f.group)
+    for budget in budgets:
+        cols = np.concatenate([offsets[u] + np.arange(len(c)) for u, c in budget.coeffs])
+        vals = np.concatenate([c for _, c in budget.coeffs])
+        b.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, lo=-np.inf, hi=budget.limit, group=budget.group)
+
+    model = b.build()
+    t1 = time.perf_counter()
+    result = solve(model, backend=backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
+    t2 = time.perf_counter()
+    x = result.x
+    choice = {u: int(np.argmax(x[offsets[u] : offsets[u] + sizes[u]])) for u in problem.units}
+    x_cost = sum(float(problem.unit_cost[u][r]) for u, r in choice.items())
+    n_x = sum(sizes.values())
+    e_cost = float(edge_costs @ x[n_x : n_x + n_edge]) if n_edge else 0.0
+    return UnitChoice(
+        choice=choice,
+        result=result,
+        n_vars=model.n_cols,
+        n_rows=model.n_rows,
+        n_edge_vars=n_edge,
+        objective_without_tie_break=x_cost + e_cost,
+        build_time=t1 - t0,
+        solve_time=t2 - t1,
+    )

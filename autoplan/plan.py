@@ -1,0 +1,263 @@
+"""``Plan``: the chosen placements for every node, what they cost, and how they were found.
+
+Costs here are recomputed from scratch on the *expanded* graph (every layer, every edge), never
+taken from the reduced ILP, so a reduction bug shows up as a disagreement rather than a wrong report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+Placements = tuple[Placement, ...]
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    raise ValueError(f"cannot serialise placement {p!r}")
+
+
+def parse_placement(s: str) -> Placement:
+    if s == "R":
+        return Replicate()
+    m = re.fullmatch(r"S\((-?\d+)\)", s)
+    if m:
+        return Shard(int(m.group(1)))
+    m = re.fullmatch(r"P\((\w+)\)", s)
+    if m:
+        return Partial(m.group(1))
+    raise ValueError(f"cannot parse placement {s!r}")
+
+
+def placements_str(ps: Placements | None) -> str | None:
+    return None if ps is None else "".join(placement_str(p) for p in ps)
+
+
+def parse_placements(s: str | None) -> Placements | None:
+    return None if s is None else tuple(parse_placement(t) for t in re.findall(r"R|S\(-?\d+\)|P\(\w+\)", s))
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    name: str
+    op: str
+    module: str
+    phase: str  # "forward" | "backward" | "" (placeholders)
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """A placement change the plan implies: producer's output -> what a consumer (or a sink) expects."""
+
+    consumer: str  # node name, or "grad:<fqn>" / "output:<i>" for graph outputs
+    producer: str
+    src: Placements
+    dst: Placements
+    collectives: tuple[tuple[str, int], ...]  # (kind, mesh dim) in execution order
+    seconds: float
+    phase: str
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    compute_forward: float
+    compute_backward: float
+    comm_forward: float
+    comm_backward: float
+
+    @property
+    def total(self) -> float:
+        return self.compute_forward + self.compute_backward + self.comm_forward + self.comm_backward
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per-device bytes: parameters, their gradients (same placements) and Adam's two states."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+
+@dataclass
+class Plan:
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    device: str
+    nodes: dict[str, NodePlan]
+    param_placements: dict[str, Placements]
+    cost: CostBreakdown
+    memory: MemoryReport
+    redistributions: list[Redistribution]
+    solver: dict
+    ilp: dict
+    timings: dict[str, float]
+    layer_classes: list[list[str]] = field(default_factory=list)
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def collective_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = defaultdict(int)
+        for r in self.redistributions:
+            for kind, _ in r.collectives:
+                counts[kind] += 1
+        return dict(sorted(counts.items()))
+
+    def summary(self) -> str:
+        """A readable report; repeated layers appear once, as ``layers.*``."""
+        lines = [
+            f"autoplan plan on mesh {self._mesh_label()} for {self.device}",
+            f"estimated step: {self.cost.total * 1e3:.2f} ms  (compute fwd {self.cost.compute_forward * 1e3:.2f}"
+            f" / bwd {self.cost.compute_backward * 1e3:.2f}, comm fwd {self.cost.comm_forward * 1e3:.2f}"
+            f" / bwd {self.cost.comm_backward * 1e3:.2f})",
+            f"memory per device: params {_gib(self.memory.param_bytes)}, grads {_gib(self.memory.grad_bytes)},"
+            f" optimizer {_gib(self.memory.optimizer_bytes)}",
+            "",
+            f"{'parameter':<48} {'placement':<14} copies",
+        ]
+        for pattern, (pl, n) in _by_pattern(self.param_placements).items():
+            lines.append(f"{pattern:<48} {pl:<14} {n}")
+        lines += ["", f"{'matmul-like op (module)':<48} {'inputs -> output':<40} copies"]
+        heavy = defaultdict(int)
+        for node in self.nodes.values():
+            if _short_op(node.op) in _HEAVY_OPS:
+                ins = ", ".join(placements_str(p) or "-" for p in node.inputs)
+                key = (f"{_pattern(node.module)} {_short_op(node.op)} [{node.phase[:3]}]", f"{ins} -> {placements_str(node.outputs[0])}")
+                heavy[key] += 1
+        for (where, how), n in heavy.items():
+            lines.append(f"{where:<48} {how:<40} {n}")
+        lines += [
+            "",
+            "collectives: " + ", ".join(f"{k} {v}" for k, v in self.collective_counts().items()),
+            f"ILP: {self.ilp.get('n_vars')} variables, {self.ilp.get('n_rows')} rows;"
+            f" solver {self.solver.get('backend')} {self.solver.get('status')}, gap {self.solver.get('gap')}",
+            "planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
+        ]
+        return "\n".join(lines)
+
+    def _mesh_label(self) -> str:
+        dims = self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
+        return "(" + ", ".join(f"{n}={s}" for n, s in zip(dims, self.mesh_shape)) + ")"
+
+    # ---- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["nodes"] = {k: _node_to_dict(v) for k, v in self.nodes.items()}
+        d["param_placements"] = {k: placements_str(v) for k, v in self.param_placements.items()}
+        d["redistributions"] = [
+            {**asdict(r), "src": placements_str(r.src), "dst": placements_str(r.dst)} for r in self.redistributions
+        ]
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(
+            mesh_shape=tuple(d["mesh_shape"]),
+            mesh_dim_names=tuple(d["mesh_dim_names"]) if d["mesh_dim_names"] is not None else None,
+            device=d["device"],
+            nodes={k: _node_from_dict(v) for k, v in d["nodes"].items()},
+            param_placements={k: parse_placements(v) for k, v in d["param_placements"].items()},
+            cost=CostBreakdown(**d["cost"]),
+            memory=MemoryReport(**d["memory"]),
+            redistributions=[
+                Redistribution(
+                    consumer=r["consumer"],
+                    producer=r["producer"],
+                    src=parse_placements(r["src"]),
+                    dst=parse_placements(r["dst"]),
+                    collectives=tuple((k, m) for k, m in r["collectives"]),
+                    seconds=r["seconds"],
+                    phase=r["phase"],
+                )
+                for r in d["redistributions"]
+            ],
+            solver=d["solver"],
+            ilp=d["ilp"],
+            timings=d["timings"],
+            layer_classes=d["layer_classes"],
+        )
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Plan:
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        return cls.from_dict(json.loads(text))
+
+
+_HEAVY_OPS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "embedding",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+}
+
+
+def _short_op(op: str) -> str:
+    """``aten.mm.default`` -> ``mm``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 2 else op
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _pattern(path: str) -> str:
+    return re.sub(r"\.\d+(\.|$)", r".*\1", path)
+
+
+def _by_pattern(params: dict[str, Placements]) -> dict[str, tuple[str, int]]:
+    out: dict[str, tuple[str, int]] = {}
+    for fqn, pl in params.items():
+        key = _pattern(fqn)
+        text = placements_str(pl)
+        if key in out and out[key][0] != text:
+            key = fqn  # a copy placed differently gets its own row
+        prev = out.get(key, (text, 0))
+        out[key] = (text, prev[1] + 1)
+    return out
+
+
+def _node_to_dict(n: NodePlan) -> dict:
+    return {
+        **asdict(n),
+        "outputs": [placements_str(p) for p in n.outputs],
+        "inputs": [placements_str(p) for p in n.inputs],
+    }
+
+
+def _node_from_dict(d: dict) -> NodePlan:
+    return NodePlan(
+        name=d["name"],
+        op=d["op"],
+        module=d["module"],
+        phase=d["phase"],
+        outputs=tuple(parse_placements(p) for p in d["outputs"]),
+        inputs=tuple(parse_placements(p) for p in d["inputs"]),
+        compute_s=d["compute_s"],
+    )

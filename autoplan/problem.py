@@ -1,0 +1,284 @@
+"""The reduced placement problem: strategies and costs for the ILP, after clustering and merging.
+
+Two reductions keep the ILP small without changing what a plan costs:
+- repeated layers share decisions (``Clustering``): costs of a representative count once per copy;
+- followers (single-input ops that can follow every placement their producer offers: views,
+  casts, unary pointwise, reductions) are merged into their producer, so their strategy is a
+  function of the producer's and the edge between them disappears.
+Every remaining edge is grouped by the *placements* on each side rather than by strategies.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoplan.adapters.dtensor import tensor_meta
+from autoplan.clustering import Clustering
+from autoplan.costs import CostModel, node_flops
+from autoplan.strategies import NodeStrategies, Placements, Strategy, output_vals, tensor_inputs, value_of
+from autoplan.tracing import TracedGraph
+
+
+def is_free(node: fx.Node) -> bool:
+    """Ops that launch no kernel: views and aliases."""
+    op = node.target
+    return node.op != "call_function" or op is operator.getitem or getattr(op, "is_view", False)
+
+
+def strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
+    """Per-rank compute seconds of each strategy of ``node``."""
+    if node.op != "call_function":
+        return np.zeros(len(strategies))
+    if is_free(node):
+        return np.zeros(len(strategies))
+    ins = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
+    outs = [(i, tensor_meta(v)) for i, v in enumerate(output_vals(node)) if isinstance(v, torch.Tensor)]
+    to_val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+    args = torch.utils._pytree.tree_map(to_val, node.args)
+    kwargs = torch.utils._pytree.tree_map(to_val, node.kwargs)
+    flops = node_flops(node.target, args, kwargs, node.meta.get("val"))
+    return np.array(
+        [
+            cost_model.compute_cost(
+                flops,
+                list(zip(ins, s.inputs)),
+                [(m, s.outputs[i]) for i, m in outs if s.outputs[i] is not None],
+            )
+            for s in strategies
+        ]
+    )
+
+
+@dataclass
+class EdgeGroup:
+    """Redistribution between two units, by placement: ``cost[o, q]`` seconds (already x multiplicity).
+
+    ``src_label[r]`` is the producer-side placement index of the producer unit's strategy r;
+    ``dst_label[s]`` the consumer-side placement index of the consumer unit's strategy s.
+    """
+
+    src: fx.Node
+    dst: fx.Node
+    src_label: np.ndarray
+    dst_label: np.ndarray
+    cost: np.ndarray
+    changes: np.ndarray  # 1 where the placements differ (for the tie-break)
+
+
+@dataclass
+class PlacementProblem:
+    units: list[fx.Node]  # nodes that own ILP variables
+    strategies: dict[fx.Node, tuple[Strategy, ...]]  # every representative node
+    unit_cost: dict[fx.Node, np.ndarray]  # per unit strategy, seconds (compute + folded edges)
+    forbidden: dict[fx.Node, np.ndarray]  # per unit strategy, True where some folded edge is impossible
+    edges: list[EdgeGroup]
+    root: dict[fx.Node, tuple[fx.Node, np.ndarray]]  # representative node -> (unit, unit strategy -> own strategy)
+    clustering: Clustering
+    n_merged: int = 0
+    fixed: list[tuple[str, fx.Node, list[int]]] = field(default_factory=list)  # (group, unit, allowed strategies)
+
+
+def _producer_reps(tg: TracedGraph, clustering: Clustering) -> dict[fx.Node, set]:
+    """For each representative, the representatives its (single) input comes from over all its copies."""
+    found: dict[fx.Node, set] = defaultdict(set)
+    for n in tg.gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            for a in tensor_inputs(n):
+                u, k = value_of(a)
+                found[clustering.rep[n]].add((clustering.rep[u], k))
+    return found
+
+
+def _single_use_view(v: fx.Node) -> bool:
+    """A view read exactly once: redistributing before it costs what redistributing after it would.
+
+    A view with several readers is a place where one redistribution can serve them all, so it keeps
+    its own decision.
+    """
+    if not is_free(v) or v.op != "call_function" or v.target is operator.getitem:
+        return False
+    (user, *rest) = v.users or [None]
+    return not rest and user is not None and user.op == "call_function" and len(tensor_inputs(user)) >= 1 and sum(
+        a is v for a in tensor_inputs(user)
+    ) == 1
+
+
+def merge_followers(
+    tg: TracedGraph, clustering: Clustering, strategies: dict[fx.Node, NodeStrategies]
+) -> dict[fx.Node, tuple[fx.Node, np.ndarray]]:
+    """Decide which nodes follow their producer; returns node -> (producer rep, producer idx -> own idx)."""
+    producers = _producer_reps(tg, clustering)
+    follow: dict[fx.Node, tuple[fx.Node, np.ndarray]] = {}
+
+    def root_of(n: fx.Node) -> fx.Node:
+        while n in follow:
+            n = follow[n][0]
+        return n
+
+    for v, ns in strategies.items():
+        if not _single_use_view(v) or len(producers.get(v, ())) != 1:
+            continue
+        (u, k), = producers[v]
+        if u not in strategies or root_of(u) is v:
+            continue
+        by_input: dict[Placements, list[int]] = defaultdict(list)
+        for i, s in enumerate(ns.strategies):
+            if len(set(s.inputs)) == 1:
+                by_input[s.inputs[0]].append(i)
+        mapping = []
+        for s in strategies[u].strategies:
+            hits = by_input.get(s.outputs[k], [])
+            if len(hits) != 1:
+                break
+            mapping.append(hits[0])
+        else:
+            follow[v] = (u, np.array(mapping, dtype=np.int64))
+    return follow
+
+
+def resolve_roots(
+    strategies: dict[fx.Node, NodeStrategies], follow: dict[fx.Node, tuple[fx.Node, np.ndarray]]
+) -> dict[fx.Node, tuple[fx.Node, np.ndarray]]:
+    root: dict[fx.Node, tuple[fx.Node, np.ndarray]] = {}
+
+    def resolve(n: fx.Node) -> tuple[fx.Node, np.ndarray]:
+        if n not in root:
+            if n in follow:
+                parent, local = follow[n]
+                r, m = resolve(parent)
+                root[n] = (r, local[m])
+            else:
+                root[n] = (n, np.arange(len(strategies[n].strategies)))
+        return root[n]
+
+    for n in strategies:
+        resolve(n)
+    return root
+
+
+def _slot_placement(s: Strategy, slot) -> Placements | None:
+    """What a consumer strategy expects: input ``slot`` or, for ``"out"`` sinks, its own output."""
+    return s.outputs[0] if slot == "out" else s.inputs[slot]
+
+
+def _labels(values: list) -> tuple[list, np.ndarray]:
+    distinct = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(distinct)}
+    return distinct, np.array([index[v] for v in values], dtype=np.int64)
+
+
+def graph_edges(tg: TracedGraph, clustering: Clustering) -> dict[tuple, int]:
+    """(producer rep, output index, consumer rep, slot) -> how many real edges it stands for.
+
+    Slots are tensor-input positions; ``"out"`` marks a value that must arrive in the consumer's
+    *output* placement: a gradient in its parameter's placement, an output in its tangent's.
+    """
+    rep = clustering.rep
+    edges: dict[tuple, int] = defaultdict(int)
+    for n in tg.gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            for j, a in enumerate(tensor_inputs(n)):
+                u, k = value_of(a)
+                edges[(rep[u], k, rep[n], j)] += 1
+    params = tg.placeholder_for("param")
+    for fqn, g in tg.outputs_of("grad_param").items():
+        if g is not None:
+            u, k = value_of(g)
+            edges[(rep[u], k, rep[params[fqn]], "out")] += 1
+    return edges
+
+
+def output_sinks(
+    tg: TracedGraph, clustering: Clustering, fixed_outputs: dict[int, Placements]
+) -> tuple[dict[tuple, int], list[tuple[fx.Node, int, Placements]]]:
+    """Model outputs: to a fixed placement when constrained, else to the placement of their tangent."""
+    tangents = tg.placeholder_for("tangent")
+    rep = clustering.rep
+    edges: dict[tuple, int] = defaultdict(int)
+    sinks = []
+    for i, node in tg.outputs_of("output").items():
+        if not isinstance(node, fx.Node):
+            continue
+        u, k = value_of(node)
+        if i in fixed_outputs:
+            sinks.append((rep[u], k, fixed_outputs[i]))
+        elif i in tangents:
+            edges[(rep[u], k, rep[tangents[i]], "out")] += 1
+    return edges, sinks
+
+
+def build_problem(
+    tg: TracedGraph,
+    clustering: Clustering,
+    strategies: dict[fx.Node, NodeStrategies],
+    cost_model: CostModel,
+    fixed_outputs: dict[int, Placements],
+    merge: bool = True,
+) -> PlacementProblem:
+    follow = merge_followers(tg, clustering, strategies) if merge else {}
+    root = resolve_roots(strategies, follow)
+    strats = {n: ns.strategies for n, ns in strategies.items()}
+    units = [n for n in strategies if root[n][0] is n]
+    unit_cost = {u: np.zeros(len(strats[u])) for u in units}
+    for v, ss in strats.items():
+        unit, m = root[v]
+        unit_cost[unit] += (strategy_costs(v, ss, cost_model) * clustering.multiplicity[v])[m]
+
+    edge_mult = graph_edges(tg, clustering)
+    out_edges, sinks = output_sinks(tg, clustering, fixed_outputs)
+    for key, mult in out_edges.items():
+        edge_mult[key] += mult
+
+    groups: dict[tuple, EdgeGroup] = {}
+    for (ur, k, cr, slot), mult in edge_mult.items():
+        meta = tensor_meta(output_vals(ur)[k])
+        src_unit, src_map = root[ur]
+        dst_unit, dst_map = root[cr]
+        srcs, src_label = _labels([strats[ur][i].outputs[k] for i in src_map])
+        dsts, dst_label = _labels([_slot_placement(strats[cr][i], slot) for i in dst_map])
+        cost = np.array([[cost_model.redistribute_cost(o, q, meta) for q in dsts] for o in srcs]) * mult
+        if src_unit is dst_unit:
+            unit_cost[src_unit] += cost[src_label, dst_label]
+        elif len(srcs) == 1:
+            unit_cost[dst_unit] += cost[0, dst_label]
+        elif len(dsts) == 1:
+            unit_cost[src_unit] += cost[src_label, 0]
+        else:
+            key = (src_unit, dst_unit, src_label.tobytes(), dst_label.tobytes())
+            if key in groups:
+                groups[key].cost = groups[key].cost + cost
+            else:
+                changes = np.array([[float(o != q) for q in dsts] for o in srcs])
+                groups[key] = EdgeGroup(src_unit, dst_unit, src_label, dst_label, cost, changes)
+    for ur, k, placements in sinks:
+        meta = tensor_meta(output_vals(ur)[k])
+        unit, m = root[ur]
+        unit_cost[unit] += np.array([cost_model.redistribute_cost(strats[ur][i].outputs[k], placements, meta) for i in m])
+
+    forbidden = {u: ~np.isfinite(c) for u, c in unit_cost.items()}
+    for u, c in unit_cost.items():
+        c[forbidden[u]] = 0.0
+    return PlacementProblem(
+        units=units,
+        strategies=strats,
+        unit_cost=unit_cost,
+        forbidden=forbidden,
+        edges=list(groups.values()),
+        root=root,
+        clustering=clustering,
+        n_merged=len(follow),
+    )
+
+
+def allowed_strategies(problem: PlacementProblem, node: fx.Node, placements: Placements) -> list[int]:
+    """Unit strategy indices under which ``node`` outputs ``placements``."""
+    rep = problem.clustering.rep[node]
+    _, m = problem.root[rep]
+    return [r for r, i in enumerate(m) if problem.strategies[rep][i].outputs[0] == tuple(placements)]
+

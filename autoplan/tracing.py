@@ -1,0 +1,277 @@
+"""Capture the joint forward+backward ATen graph of a model on fake tensors.
+
+No real memory is used: parameters become fake tensors on the mesh's device type, so an 8B model
+on ``meta`` traces on a laptop. Every node is tagged with the module path it came from (backward
+nodes inherit the path of the forward op they differentiate), which clustering and pins rely on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
+
+PATH_KEY = "autoplan_module_path"
+PHASE_KEY = "autoplan_phase"
+
+
+@dataclass
+class TracedGraph:
+    """The joint graph plus the labels that tie its placeholders and outputs back to the model."""
+
+    gm: fx.GraphModule
+    input_labels: list[InputLabel]  # one per placeholder, in order
+    output_labels: list[OutputLabel]  # one per graph output, in order
+    joint: Any = field(repr=False)  # opaque functorch object, for later compilation
+    fake_mode: FakeTensorMode = field(repr=False)
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+
+    def placeholder_for(self, kind: str) -> dict[Any, fx.Node]:
+        """Map label target -> placeholder for one kind ("param", "buffer", "input", "tangent")."""
+        return {lab[1]: n for n, lab in zip(self.placeholders, self.input_labels) if lab[0] == kind}
+
+    def outputs_of(self, kind: str) -> dict[Any, fx.Node | None]:
+        """Map label target -> node returned as that output ("output", "grad_param", "grad_input")."""
+        outs = self.output_node.args[0]
+        return {lab[1]: n for n, lab in zip(outs, self.output_labels) if lab[0] == kind}
+
+
+class _LossWrapper(nn.Module):
+    """Runs the model, then the user's loss; the model is a child so parameter FQNs keep a fixed prefix."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args):
+        out = self.model(*args)
+        return out if self.loss_fn is None else self.loss_fn(out)
+
+
+_PREFIX = "model."
+
+
+def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+
+def _fake_skeleton(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors on ``device``.
+
+    The memo makes deepcopy reuse our fakes instead of copying real (or meta) storage.
+    """
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        for p in model.parameters():
+            memo[id(p)] = nn.Parameter(_fake_like(p, device), requires_grad=p.requires_grad)
+        for b in model.buffers():
+            memo[id(b)] = _fake_like(b, device)
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def _record_module_paths(root: nn.Module):
+    """Keep ``nn_module_stack`` in the tracer's current meta up to date with forward hooks."""
+    handles = []
+
+    def pre(name: str):
+        def hook(mod, args):
+            stack = dict(fx_traceback.current_meta.get("nn_module_stack", {}))
+            stack[name] = (name, type(mod))
+            fx_traceback.current_meta["nn_module_stack"] = stack
+
+        return hook
+
+    def post(name: str):
+        def hook(mod, args, out):
+            stack = dict(fx_traceback.current_meta.get("nn_module_stack", {}))
+            stack.pop(name, None)
+            fx_traceback.current_meta["nn_module_stack"] = stack
+
+        return hook
+
+    for name, mod in root.named_modules():
+        if name.startswith(_PREFIX):
+            fqn = name[len(_PREFIX) :]
+            handles.append(mod.register_forward_pre_hook(pre(fqn)))
+            handles.append(mod.register_forward_hook(post(fqn)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _deepest_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+def _strip(label: tuple[str, Any]) -> tuple[str, Any]:
+    kind, target = label
+    if isinstance(target, str) and target.startswith(_PREFIX):
+        target = target[len(_PREFIX) :]
+    return (kind, target)
+
+
+def make_fake_inputs(input_fn: Callable[[], Any], fake_mode: FakeTensorMode, device: torch.device) -> tuple:
+    """Call ``input_fn`` under fake mode (no real memory); real tensors it returns are faked too."""
+    with fake_mode, torch.device(device):
+        args = input_fn()
+    if not isinstance(args, tuple):
+        args = (args,)
+    return tree_map_only(
+        torch.Tensor, lambda t: t if fake_mode.is_our_fake(t) else fake_mode.from_tensor(t.to(device)), args
+    )
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
+
+
+def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode):
+    """Joint graph by tracing autograd itself with ``make_fx``: one pass, no functionalization.
+
+    Placeholders are ``primals_*`` (params, buffers, inputs) then ``tangents_*``; outputs are the
+    model outputs, then gradients of params, then of differentiable inputs (``None`` where unused).
+    """
+    named_params = list(wrapper.named_parameters())
+    named_buffers = list(wrapper.named_buffers())
+    flat_args, args_spec = tree_flatten(args)
+    with fake_mode:
+        probe = torch.func.functional_call(wrapper, {**dict(named_params), **dict(named_buffers)}, args)
+    flat_out, out_spec = tree_flatten(probe)
+    diff_out = [i for i, o in enumerate(flat_out) if _differentiable(o)]
+    with fake_mode:
+        tangents = [torch.empty_like(flat_out[i]) for i in diff_out]
+    n_p, n_b = len(named_params), len(named_buffers)
+    diff_in = [i for i, a in enumerate(flat_args) if _differentiable(a)]
+
+    def joint(primals, tangents):
+        state = {name: t for (name, _), t in zip(named_params + named_buffers, primals[: n_p + n_b])}
+        inputs = tree_unflatten(primals[n_p + n_b :], args_spec)
+        out = tree_flatten(torch.func.functional_call(wrapper, state, inputs))[0]
+        wrt = [*primals[:n_p], *(primals[n_p + n_b + i] for i in diff_in)]
+        _tag_backward_seq_nr([out[i] for i in diff_out])
+        grads = torch.autograd.grad(
+            [out[i] for i in diff_out], wrt, tangents, allow_unused=True
+        ) if diff_out else [None] * len(wrt)
+        return [*out, *grads]
+
+    primals = [p.detach().requires_grad_(p.requires_grad) for _, p in named_params]
+    primals += [b for _, b in named_buffers] + flat_args
+    with fake_mode:
+        gm = make_fx(joint, tracing_mode="real")(primals, tangents)
+    in_labels = [("param", n) for n, _ in named_params] + [("buffer", n) for n, _ in named_buffers]
+    in_labels += [("input", i) for i in range(len(flat_args))] + [("tangent", i) for i in diff_out]
+    out_labels = [("output", i) for i in range(len(flat_out))] + [("grad_param", n) for n, _ in named_params]
+    out_labels += [("grad_input", i) for i in diff_in]
+    del out_spec
+    return gm, in_labels, out_labels
+
+
+def _tag_backward_seq_nr(outputs: list[torch.Tensor]) -> None:
+    """Make each backward op record the sequence number of the autograd node it runs for.
+
+    Forward ops record the same number when they create that node, so backward ops can later be
+    mapped to the module path of the forward op they differentiate.
+    """
+    seen: set = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        seq = fn._sequence_nr()
+        fn.register_prehook(lambda grads, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq))
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+
+
+def _mutating_ops(gm: fx.GraphModule) -> list[fx.Node]:
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+    ]
+
+
+def _inherit_backward_paths(gm: fx.GraphModule) -> None:
+    """Backward ops carry the autograd sequence number of the forward op they differentiate."""
+    by_seq = {}
+    for n in gm.graph.nodes:
+        if n.meta.get(PATH_KEY) and "seq_nr" in n.meta:
+            by_seq.setdefault(n.meta["seq_nr"], n.meta[PATH_KEY])
+    for n in gm.graph.nodes:
+        if not n.meta.get(PATH_KEY) and "seq_nr" in n.meta:
+            n.meta[PATH_KEY] = by_seq.get(n.meta["seq_nr"], "")
+
+
+def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
+    """Forward = everything the model outputs depend on; the rest is backward."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    stack = [a for a in out.args[0][:n_outputs] if isinstance(a, fx.Node)]
+    forward = set()
+    while stack:
+        n = stack.pop()
+        if n not in forward:
+            forward.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in gm.graph.nodes:
+        n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
+
+
+def trace_joint(
+    model: nn.Module,
+    input_fn: Callable[[], Any],
+    loss_fn: Callable | None = None,
+    device: torch.device | str = "cpu",
+) -> TracedGraph:
+    """Trace ``loss_fn(model(*input_fn()))`` (or the model's outputs) forward and backward on fake tensors.
+
+    The fast path traces autograd directly; models that mutate tensors in place are re-traced
+    through functorch's functionalizing joint export instead.
+    """
+    device = torch.device(device)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn)
+    args = make_fake_inputs(input_fn, fake_mode, device)
+    joint = None
+    with fx_traceback.preserve_node_meta(), _record_module_paths(wrapper):
+        gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
+    if _mutating_ops(gm):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fx_traceback.preserve_node_meta())
+            stack.enter_context(_record_module_paths(wrapper))
+            gm, in_labels, out_labels, joint = export_joint(stack, wrapper, args)
+    for node in gm.graph.nodes:
+        node.meta[PATH_KEY] = _deepest_path(node)
+    _inherit_backward_paths(gm)
+    _mark_phases(gm, sum(1 for lab in out_labels if lab[0] == "output"))
+    return TracedGraph(
+        gm=gm,
+        input_labels=[_strip(lab) for lab in in_labels],
+        output_labels=[_strip(lab) for lab in out_labels],
+        joint=joint,
+        fake_mode=fake_mode,
+    )

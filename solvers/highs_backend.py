@@ -1,0 +1,114 @@
+"""HiGHS backend: passes the model's numpy arrays straight to ``highspy`` (no MPS round trip)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+
+from .model import LinearModel
+from .result import RawSolution, SolverOptions, SolveStatus
+
+# Model statuses meaning "a limit stopped the solver", not "the model is bad".
+_LIMIT_STATUSES = (
+    "kTimeLimit",
+    "kIterationLimit",
+    "kSolutionLimit",
+    "kInterrupt",
+    "kObjectiveBound",
+    "kObjectiveTarget",
+    "kMemoryLimit",
+)
+
+
+def available() -> bool:
+    return importlib.util.find_spec("highspy") is not None
+
+
+def _highs_lp(highspy: Any, model: LinearModel) -> Any:
+    """Column-wise ``HighsLp`` without integrality; integrality is switched on separately for MIPs."""
+    lp = highspy.HighsLp()
+    lp.num_col_ = model.n_cols
+    lp.num_row_ = model.n_rows
+    lp.offset_ = model.constant
+    lp.col_cost_ = model.cost
+    lp.col_lower_ = model.col_lb
+    lp.col_upper_ = model.col_ub
+    lp.row_lower_ = model.row_lo
+    lp.row_upper_ = model.row_hi
+    a = lp.a_matrix_
+    a.format_ = highspy.MatrixFormat.kColwise
+    a.num_col_ = model.n_cols
+    a.num_row_ = model.n_rows
+    a.start_ = model.csc_start
+    a.index_ = model.csc_row
+    a.value_ = model.csc_val
+    return lp
+
+
+def _new_highs(highspy: Any, opts: SolverOptions) -> Any:
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", opts.verbose)
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("presolve", "on")
+    h.setOptionValue("mip_rel_gap", float(opts.mip_rel_gap))
+    if opts.time_limit is not None:
+        h.setOptionValue("time_limit", max(float(opts.time_limit), 0.0))
+    if opts.threads is not None:
+        h.setOptionValue("threads", int(opts.threads))
+    return h
+
+
+def _run(highspy: Any, h: Any, opts: SolverOptions) -> None:
+    # HiGHS's thread pool is process-global and fixed at first use; a different explicit
+    # thread count makes run() fail unless the pool is rebuilt first.
+    if opts.threads is not None:
+        highspy.Highs.resetGlobalScheduler(True)
+    h.run()
+    if h.getModelStatus() == highspy.HighsModelStatus.kUnboundedOrInfeasible:
+        # Presolve may stop without telling which; the simplex on the full model decides.
+        h.setOptionValue("presolve", "off")
+        h.run()
+
+
+def _read(highspy: Any, h: Any, is_mip: bool) -> tuple[SolveStatus, np.ndarray | None, float, bool]:
+    """Map HiGHS's model status to (status, x, dual bound, hit_limit)."""
+    ms = h.getModelStatus()
+    info = h.getInfo()
+    has_x = info.primal_solution_status == int(highspy.kSolutionStatusFeasible)
+    x = np.asarray(h.getSolution().col_value, dtype=np.float64) if has_x else None
+    mip_bound = info.mip_dual_bound if is_mip else -math.inf
+    if ms == highspy.HighsModelStatus.kOptimal:
+        return SolveStatus.OPTIMAL, x, mip_bound if is_mip else info.objective_function_value, False
+    if ms == highspy.HighsModelStatus.kInfeasible:
+        return SolveStatus.INFEASIBLE, None, math.inf, False
+    if ms == highspy.HighsModelStatus.kUnbounded:
+        return SolveStatus.UNBOUNDED, x, -math.inf, False
+    if ms.name in _LIMIT_STATUSES:
+        return (SolveStatus.FEASIBLE if has_x else SolveStatus.NO_SOLUTION), x, mip_bound, True
+    return SolveStatus.NO_SOLUTION, None, -math.inf, False
+
+
+def solve_highs(model: LinearModel, integral: bool, opts: SolverOptions) -> RawSolution:
+    """Solve ``model`` with HiGHS, as a MIP if ``integral`` else as its LP relaxation."""
+    import highspy
+
+    if model.n_cols == 0:  # HiGHS calls this "empty": optimal, ignoring row bounds and the offset
+        if np.all((model.row_lo <= 0) & (model.row_hi >= 0)):
+            return RawSolution(SolveStatus.OPTIMAL, np.zeros(0), model.constant, False, 0.0, 0.0)
+        return RawSolution(SolveStatus.INFEASIBLE, None, math.inf, False, 0.0, 0.0)
+    t0 = perf_counter()
+    h = _new_highs(highspy, opts)
+    if h.passModel(_highs_lp(highspy, model)) == highspy.HighsStatus.kError:
+        raise ValueError(f"HiGHS rejected model {model.name!r} (set verbose=True for its log)")
+    is_mip = integral and model.n_integer > 0
+    if is_mip:
+        cols = np.flatnonzero(model.integer).astype(np.int32)
+        h.changeColsIntegrality(len(cols), cols, np.ones(len(cols), dtype=np.uint8))
+    t1 = perf_counter()
+    _run(highspy, h, opts)
+    status, x, bound, hit_limit = _read(highspy, h, is_mip)
+    return RawSolution(status, x, bound, hit_limit, build_time=t1 - t0, solve_time=perf_counter() - t1)

@@ -1,0 +1,114 @@
+"""Solver-neutral statuses, results, options and errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+
+class SolveStatus(Enum):
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"  # stopped by a limit or a loose gap, with an incumbent
+    INFEASIBLE = "infeasible"
+    UNBOUNDED = "unbounded"
+    NO_SOLUTION = "no_solution"
+
+
+OPTIMALITY_GAP = 1e-6  # relative gap under which a MIP incumbent counts as optimal
+
+
+def relative_gap(objective: float, bound: float) -> float:
+    """``|objective - bound| / max(|objective|, 1e-12)``; infinite when no bound is known."""
+    if not (math.isfinite(objective) and math.isfinite(bound)):
+        return math.inf
+    return abs(objective - bound) / max(abs(objective), 1e-12)
+
+
+def _json_float(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """Outcome of ``solve``; ``x`` has integer columns rounded to exact integers."""
+
+    status: SolveStatus
+    objective: float
+    bound: float
+    gap: float
+    x: np.ndarray = field(repr=False)
+    backend: str
+    lp_was_integral: bool
+    build_time: float
+    solve_time: float
+    n_vars: int
+    n_rows: int
+    n_nonzeros: int
+    n_integer: int
+
+    def to_dict(self) -> dict:
+        """JSON-friendly view: enum as its value, non-finite floats as None, ``x`` as a list."""
+        return {
+            "status": self.status.value,
+            "objective": _json_float(self.objective),
+            "bound": _json_float(self.bound),
+            "gap": _json_float(self.gap),
+            "x": self.x.tolist(),
+            "backend": self.backend,
+            "lp_was_integral": self.lp_was_integral,
+            "build_time": self.build_time,
+            "solve_time": self.solve_time,
+            "n_vars": self.n_vars,
+            "n_rows": self.n_rows,
+            "n_nonzeros": self.n_nonzeros,
+            "n_integer": self.n_integer,
+        }
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """Options every backend honours."""
+
+    time_limit: float | None = None
+    mip_rel_gap: float = 1e-6
+    threads: int | None = None
+    verbose: bool = False
+
+
+@dataclass(frozen=True)
+class RawSolution:
+    """What a backend reports for one solve, before ``solve`` turns it into a ``SolveResult``.
+
+    ``bound`` is the dual bound including the objective constant (``-inf`` when the backend does
+    not know one); ``hit_limit`` tells a time-limit stop from a genuine failure.
+    """
+
+    status: SolveStatus
+    x: np.ndarray | None
+    bound: float
+    hit_limit: bool
+    build_time: float
+    solve_time: float
+
+
+class InfeasibleError(Exception):
+    """The model has no feasible point; ``groups`` is a minimal conflicting set of user groups.
+
+    An empty ``groups`` means the structural rows conflict on their own.
+    """
+
+    def __init__(self, groups: list[str], message: str) -> None:
+        super().__init__(message)
+        self.groups = list(groups)
+
+
+class SolverTimeoutError(Exception):
+    """The time limit ran out before any feasible point was found."""
+
+    def __init__(self, message: str, time_limit: float | None, backend: str) -> None:
+        super().__init__(message)
+        self.time_limit = time_limit
+        self.backend = backend

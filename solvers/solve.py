@@ -1,0 +1,179 @@
+"""``solve``: LP-first strategy, backend dispatch, and infeasibility diagnosis over user groups."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from time import perf_counter
+
+import numpy as np
+
+from .highs_backend import available as highs_available
+from .highs_backend import solve_highs
+from .model import LinearModel
+from .pulp_backend import solve_cbc
+from .result import (
+    OPTIMALITY_GAP,
+    InfeasibleError,
+    RawSolution,
+    SolveResult,
+    SolverOptions,
+    SolverTimeoutError,
+    SolveStatus,
+    relative_gap,
+)
+
+Backend = Callable[[LinearModel, bool, SolverOptions], RawSolution]
+
+_BACKENDS: dict[str, Backend] = {"highs": solve_highs, "cbc": solve_cbc}
+INTEGRALITY_TOL = 1e-6
+
+
+def _backend_name(backend: str) -> str:
+    if backend == "auto":
+        return "highs" if highs_available() else "cbc"
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of auto, {', '.join(_BACKENDS)}")
+    return backend
+
+
+def _is_integral(model: LinearModel, x: np.ndarray) -> bool:
+    xi = x[model.integer]
+    return bool(np.all(np.abs(xi - np.round(xi)) <= INTEGRALITY_TOL))
+
+
+def _rounded(model: LinearModel, x: np.ndarray) -> np.ndarray:
+    out = x.copy()
+    out[model.integer] = np.round(out[model.integer])
+    return out
+
+
+def _remaining(opts: SolverOptions, started: float) -> SolverOptions:
+    """Options whose time limit is what is left of the overall budget after earlier passes."""
+    if opts.time_limit is None:
+        return opts
+    return replace(opts, time_limit=max(opts.time_limit - (perf_counter() - started), 0.0))
+
+
+def _diagnose(model: LinearModel, run: Backend, opts: SolverOptions) -> InfeasibleError:
+    """Deletion filter over user groups: the groups left form a minimal infeasible set.
+
+    Feasibility is tested on the LP relaxation when that is already infeasible (cheap), else on
+    the MIP itself. A test that ends without a verdict (e.g. at a time limit) counts as feasible,
+    so the group stays in the reported set instead of being dropped on a guess.
+    """
+    relaxation = run(model.feasibility_model(model.groups), False, opts).status is SolveStatus.INFEASIBLE
+
+    def feasible(groups: list[str]) -> bool:
+        return run(model.feasibility_model(groups), not relaxation, opts).status is not SolveStatus.INFEASIBLE
+
+    if not feasible([]):
+        return InfeasibleError(
+            [], f"The {model.name} problem is infeasible even without user constraints: its structural rows conflict."
+        )
+    conflict = list(model.groups)
+    for group in model.groups:
+        rest = [g for g in conflict if g != group]
+        if not feasible(rest):
+            conflict = rest
+    return InfeasibleError(
+        conflict, f"The {model.name} problem is infeasible. Conflicting constraints: {', '.join(conflict)}"
+    )
+
+
+def _timeout(model: LinearModel, backend: str, opts: SolverOptions) -> SolverTimeoutError:
+    return SolverTimeoutError(
+        f"No feasible solution of {model.name!r} found within the time limit of {opts.time_limit} s "
+        f"(backend {backend})",
+        opts.time_limit,
+        backend,
+    )
+
+
+def _result(
+    model: LinearModel,
+    backend: str,
+    passes: list[RawSolution],
+    status: SolveStatus,
+    x: np.ndarray,
+    objective: float,
+    bound: float,
+    lp_was_integral: bool = False,
+) -> SolveResult:
+    return SolveResult(
+        status=status,
+        objective=objective,
+        bound=bound,
+        gap=relative_gap(objective, bound),
+        x=x,
+        backend=backend,
+        lp_was_integral=lp_was_integral,
+        build_time=sum(p.build_time for p in passes),
+        solve_time=sum(p.solve_time for p in passes),
+        n_vars=model.n_cols,
+        n_rows=model.n_rows,
+        n_nonzeros=model.n_nonzeros,
+        n_integer=model.n_integer,
+    )
+
+
+def _finish(
+    model: LinearModel, backend: str, run: Backend, opts: SolverOptions, passes: list[RawSolution], lp_bound: float
+) -> SolveResult:
+    """Turn the final pass into a result, or raise for infeasibility / a fruitless time limit."""
+    raw = passes[-1]
+    if raw.status is SolveStatus.INFEASIBLE:
+        raise _diagnose(model, run, opts)
+    if raw.status is SolveStatus.NO_SOLUTION and raw.hit_limit:
+        raise _timeout(model, backend, opts)
+    if raw.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+        x = _rounded(model, raw.x)
+        objective = model.objective_value(x)
+        bound = max(raw.bound, lp_bound)
+        tight = opts.mip_rel_gap <= OPTIMALITY_GAP or relative_gap(objective, bound) <= OPTIMALITY_GAP
+        status = SolveStatus.OPTIMAL if raw.status is SolveStatus.OPTIMAL and tight else SolveStatus.FEASIBLE
+        return _result(model, backend, passes, status, x, objective, bound)
+    x = raw.x if raw.x is not None else np.full(model.n_cols, np.nan)
+    objective = -math.inf if raw.status is SolveStatus.UNBOUNDED else math.nan
+    return _result(model, backend, passes, raw.status, x, objective, -math.inf)
+
+
+def solve(
+    model: LinearModel,
+    backend: str = "highs",
+    time_limit: float | None = None,
+    mip_rel_gap: float = 1e-6,
+    lp_first: bool = True,
+    threads: int | None = None,
+    verbose: bool = False,
+) -> SolveResult:
+    """Minimise ``model``.
+
+    With ``lp_first`` the LP relaxation is solved first and accepted when its integer columns
+    are already integral (placement LPs usually are, and the LP is several times cheaper);
+    otherwise the MIP is solved within what is left of ``time_limit``. Raises ``InfeasibleError``
+    naming a minimal set of conflicting user groups, or ``SolverTimeoutError`` when the time
+    limit passes without any feasible point.
+    """
+    name = _backend_name(backend)
+    run = _BACKENDS[name]
+    opts = SolverOptions(time_limit, mip_rel_gap, threads, verbose)
+    started = perf_counter()
+    passes: list[RawSolution] = []
+    lp_bound = -math.inf
+    if lp_first or model.n_integer == 0:
+        lp = run(model, False, opts)
+        passes.append(lp)
+        if lp.status is SolveStatus.OPTIMAL and _is_integral(model, lp.x):
+            x = _rounded(model, lp.x)
+            objective = model.objective_value(x)
+            return _result(model, name, passes, SolveStatus.OPTIMAL, x, objective, lp.bound, lp_was_integral=True)
+        if model.n_integer == 0 or lp.status is SolveStatus.INFEASIBLE:
+            return _finish(model, name, run, opts, passes, lp_bound)
+        if lp.hit_limit:  # no integer point yet and no time left for the MIP
+            raise _timeout(model, name, opts)
+        if lp.status is SolveStatus.OPTIMAL:
+            lp_bound = lp.bound
+    passes.append(run(model, True, _remaining(opts, started)))
+    return _finish(model, name, run, opts, passes, lp_bound)

@@ -1,0 +1,253 @@
+"""Tests for the solvers package: model building, both backends, LP-first, diagnosis, limits."""
+
+import itertools
+import json
+import math
+import warnings
+
+import numpy as np
+import pulp
+import pytest
+
+from solvers import (
+    InfeasibleError,
+    ModelBuilder,
+    SolverTimeoutError,
+    SolveStatus,
+    solve,
+    to_pulp,
+)
+
+BACKENDS = ["highs", "cbc"]
+
+# 4 items x 3 choices; each choice may take at most 2 items (a transportation problem: LP is integral).
+ASSIGN_COST = np.array([[4.0, 1.0, 3.0], [2.0, 0.0, 5.0], [3.0, 2.0, 2.0], [1.0, 3.0, 6.0]])
+CAPACITY = 2
+
+KNAP_VALUE = np.array([10.0, 13.0, 7.0, 8.0, 9.0])
+KNAP_WEIGHT = np.array([3.0, 4.0, 2.0, 3.0, 3.0])
+KNAP_CAP = 7.0
+
+
+def assignment_model(constant: float = 0.0):
+    n_items, n_choices = ASSIGN_COST.shape
+    b = ModelBuilder("assignment")
+    x = b.add_vars(ASSIGN_COST.size, cost=ASSIGN_COST.ravel()).reshape(n_items, n_choices)
+    b.add_rows(np.repeat(np.arange(n_items), n_choices), x.ravel(), 1.0, 1.0, 1.0, group="one_hot")
+    b.add_rows(np.tile(np.arange(n_choices), n_items), x.ravel(), 1.0, -np.inf, CAPACITY, group="capacity")
+    b.add_constant(constant)
+    return b.build()
+
+
+def assignment_brute_force() -> float:
+    n_items, n_choices = ASSIGN_COST.shape
+    best = math.inf
+    for choice in itertools.product(range(n_choices), repeat=n_items):
+        if max(choice.count(s) for s in range(n_choices)) <= CAPACITY:
+            best = min(best, sum(ASSIGN_COST[v, s] for v, s in enumerate(choice)))
+    return best
+
+
+def knapsack_model():
+    b = ModelBuilder("knapsack")
+    x = b.add_vars(len(KNAP_VALUE), cost=-KNAP_VALUE)
+    b.add_rows(np.zeros(len(x), dtype=int), x, KNAP_WEIGHT, -np.inf, KNAP_CAP)
+    return b.build()
+
+
+def knapsack_brute_force() -> float:
+    best = 0.0
+    for pick in itertools.product([0, 1], repeat=len(KNAP_VALUE)):
+        if np.dot(pick, KNAP_WEIGHT) <= KNAP_CAP:
+            best = max(best, float(np.dot(pick, KNAP_VALUE)))
+    return -best
+
+
+def multi_knapsack(n: int = 200, k: int = 10, seed: int = 0):
+    """A multi-dimensional knapsack HiGHS needs well over a second to close."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(10, 100, size=(k, n)).astype(float)
+    b = ModelBuilder("mkp")
+    x = b.add_vars(n, cost=-rng.integers(10, 100, size=n).astype(float))
+    b.add_rows(np.repeat(np.arange(k), n), np.tile(x, k), w.ravel(), -np.inf, w.sum(1) / 4)
+    return b.build(), w
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_assignment_matches_brute_force_and_lp_is_integral(backend):
+    res = solve(assignment_model(), backend=backend)
+    assert res.status is SolveStatus.OPTIMAL
+    assert res.objective == pytest.approx(assignment_brute_force())
+    assert res.lp_was_integral
+    assert res.gap == 0.0
+    assert res.bound == pytest.approx(res.objective)
+    x = res.x.reshape(ASSIGN_COST.shape)
+    assert set(np.unique(x)) <= {0.0, 1.0}
+    assert (x.sum(axis=1) == 1).all() and (x.sum(axis=0) <= CAPACITY).all()
+    assert res.backend == backend
+    assert (res.n_vars, res.n_rows, res.n_nonzeros, res.n_integer) == (12, 7, 24, 12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fractional_lp_falls_back_to_mip(backend):
+    res = solve(knapsack_model(), backend=backend)
+    assert res.status is SolveStatus.OPTIMAL
+    assert not res.lp_was_integral
+    assert res.objective == pytest.approx(knapsack_brute_force())
+    assert res.gap <= 1e-6
+    assert set(np.unique(res.x)) <= {0.0, 1.0}
+
+
+def test_without_lp_first_the_mip_is_solved_directly():
+    res = solve(assignment_model(), lp_first=False)
+    assert res.status is SolveStatus.OPTIMAL and not res.lp_was_integral
+    assert res.objective == pytest.approx(assignment_brute_force())
+
+
+def test_continuous_model_is_one_lp_solve():
+    b = ModelBuilder("lp")
+    x = b.add_vars(2, cost=[1.0, 2.0], ub=np.inf, integer=False)
+    b.add_rows([0, 0], x, [1.0, 1.0], 1.5, np.inf)
+    res = solve(b.build())
+    assert res.status is SolveStatus.OPTIMAL
+    np.testing.assert_allclose(res.x, [1.5, 0.0])
+    assert res.objective == pytest.approx(1.5)
+
+
+def conflicting_model():
+    b = ModelBuilder("placement")
+    x = b.add_vars(2)
+    b.add_rows([0, 0], x, [1.0, 1.0], -np.inf, 2.0)  # structural, harmless
+    b.add_rows([0], [x[0]], [1.0], 1.0, np.inf, group="a")
+    b.add_rows([0], [x[1]], [1.0], -np.inf, 1.0, group="c")
+    b.add_rows([0], [x[0]], [1.0], -np.inf, 0.0, group="b")
+    return b.build()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infeasibility_names_minimal_conflicting_groups(backend):
+    with pytest.raises(InfeasibleError) as err:
+        solve(conflicting_model(), backend=backend)
+    assert err.value.groups == ["a", "b"]
+    assert str(err.value) == "The placement problem is infeasible. Conflicting constraints: a, b"
+
+
+def test_integer_only_infeasibility_is_diagnosed_on_the_mip():
+    b = ModelBuilder("placement")
+    x = b.add_vars(2)
+    b.add_rows([0], [x[1]], [1.0], 0.0, 1.0, group="harmless")
+    b.add_rows([0], [x[0]], [2.0], 1.0, 1.0, group="parity")  # LP-feasible at x0 = 0.5 only
+    for lp_first in (True, False):
+        with pytest.raises(InfeasibleError) as err:
+            solve(b.build(), lp_first=lp_first)
+        assert err.value.groups == ["parity"]
+
+
+def test_structural_infeasibility_reports_no_groups():
+    b = ModelBuilder("placement")
+    x = b.add_vars(2)
+    b.add_rows([0, 0], x, [1.0, 1.0], 3.0, np.inf)
+    b.add_rows([0], [x[0]], [1.0], 0.0, 1.0, group="a")
+    with pytest.raises(InfeasibleError) as err:
+        solve(b.build())
+    assert err.value.groups == []
+    assert "structural" in str(err.value)
+
+
+def test_to_pulp_shape_and_cbc_agrees_with_highs():
+    b = ModelBuilder("shape")
+    x = b.add_vars(4, cost=[3.0, -1.0, 2.0, -2.0], names=["a", "b c", "d-e", "b c"])
+    b.add_vars(1, cost=0.0)  # used nowhere, but must still be a PuLP variable
+    b.add_rows([0, 0, 1, 1, 2, 2], [x[0], x[1], x[1], x[2], x[2], x[3]], 1.0, [1.0, -np.inf, 0.5], [1.0, 1.0, 1.5])
+    b.add_rows([0], [x[3]], [1.0], -np.inf, np.inf, names=["free"])
+    model = b.build()
+    prob = to_pulp(model)
+    assert len(prob.variables()) == 5
+    # equality + one-sided + ranged (split in two) rows; the free row is dropped
+    assert prob.numConstraints() == 4
+    assert {v.name for v in prob.variables()} == {"a", "b_c", "d_e", "b_c_", "x4"}
+    with warnings.catch_warnings():  # PuLP 3.3 marks its bundled CBC as deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cbc = pulp.PULP_CBC_CMD(msg=False)
+    prob.solve(cbc)
+    highs = solve(model, backend="highs")
+    assert pulp.value(prob.objective) == pytest.approx(highs.objective)
+
+
+def test_duplicates_summed_scalars_broadcast_constant_in_objective():
+    b = ModelBuilder("m")
+    x = b.add_vars(3, cost=1.0)
+    rows = b.add_rows([0, 0, 1, 1], [x[1], x[1], x[0], x[2]], [2.0, 3.0, 1.0, 1.0], 1.0, np.inf)
+    np.testing.assert_array_equal(rows, [0, 1])
+    b.add_constant(10.0)
+    b.add_constant(0.5)
+    m = b.build()
+    np.testing.assert_array_equal(m.row_lo, [1.0, 1.0])
+    np.testing.assert_array_equal(m.row_hi, [np.inf, np.inf])
+    np.testing.assert_array_equal(m.csr_col[m.csr_start[0] : m.csr_start[1]], [1])
+    np.testing.assert_array_equal(m.csr_val[m.csr_start[0] : m.csr_start[1]], [5.0])
+    assert m.n_nonzeros == 3
+    assert not m.cost.flags.writeable
+    for backend in BACKENDS:
+        res = solve(m, backend=backend)
+        assert res.objective == pytest.approx(12.5)  # x1 = 1 and one of x0, x2
+        assert res.bound == pytest.approx(12.5)
+
+
+def test_constant_enters_objective_and_bound_of_a_mip():
+    res = solve(assignment_model(constant=100.0), lp_first=False)
+    assert res.objective == pytest.approx(assignment_brute_force() + 100.0)
+    assert res.bound == pytest.approx(res.objective)
+
+
+def test_add_rows_validates_ids():
+    b = ModelBuilder()
+    x = b.add_vars(2)
+    with pytest.raises(ValueError):
+        b.add_rows([0], [x[1] + 1], [1.0], 0.0, 1.0)
+    with pytest.raises(ValueError):
+        b.add_rows([2], [x[0]], [1.0], [0.0, 0.0], [1.0, 1.0])
+
+
+def test_time_limit_stops_with_incumbent_or_raises():
+    model, w = multi_knapsack()
+    try:
+        res = solve(model, time_limit=0.05)
+    except SolverTimeoutError as err:
+        assert err.time_limit == 0.05 and err.backend == "highs"
+        assert "0.05" in str(err) and "highs" in str(err)
+        return
+    assert res.status is SolveStatus.FEASIBLE
+    assert res.bound <= res.objective and res.gap > 0
+    assert res.gap == pytest.approx(abs(res.objective - res.bound) / abs(res.objective))
+    assert set(np.unique(res.x)) <= {0.0, 1.0}
+    assert (w @ res.x <= w.sum(1) / 4 + 1e-9).all()
+    assert res.objective == pytest.approx(model.objective_value(res.x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_time_limit_raises_timeout(backend):
+    model, _ = multi_knapsack()
+    with pytest.raises(SolverTimeoutError, match=backend):
+        solve(model, backend=backend, time_limit=0.0)
+
+
+def test_deterministic_and_thread_count_can_change():
+    model = knapsack_model()
+    first = solve(model, threads=1, lp_first=False)
+    second = solve(model, threads=2, lp_first=False)
+    np.testing.assert_array_equal(first.x, second.x)
+    assert first.objective == second.objective
+
+
+def test_to_dict_is_json_friendly():
+    res = solve(knapsack_model())
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["status"] == "optimal" and d["backend"] == "highs"
+    assert d["x"] == res.x.tolist()
+
+
+def test_auto_backend_and_unknown_backend():
+    assert solve(knapsack_model(), backend="auto").backend == "highs"
+    with pytest.raises(ValueError):
+        solve(knapsack_model(), backend="gurobi")
