@@ -20,8 +20,11 @@ import torch.fx as fx
 from autoplan.problem import PlacementProblem
 from solvers import ModelBuilder, SolveResult, solve
 
-# Seconds added per placement change: far below any real cost, it breaks ties toward fewer changes.
-TIE_BREAK = 1e-9
+# The solver sees microseconds: step costs in seconds (~1e-5 per op) would sit at the level of
+# HiGHS's absolute tolerances and ties would be broken by noise.
+SCALE = 1e6
+# Microseconds added per placement change: far below any real cost, it breaks ties toward fewer changes.
+TIE_BREAK = 1e-3
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def _edge_rows(b: ModelBuilder, problem: PlacementProblem, offsets: dict[fx.Node
         finite = np.isfinite(g.cost)
         oi, qi = np.nonzero(finite)
         cost = g.cost[oi, qi]
-        e = b.add_vars(len(oi), cost=cost + TIE_BREAK * g.changes[oi, qi], lb=0.0, ub=1.0, integer=False)
+        e = b.add_vars(len(oi), cost=SCALE * cost + TIE_BREAK * g.changes[oi, qi], lb=0.0, ub=1.0, integer=False)
         n_edge += len(oi)
         true_costs.append(cost)
         n_o, n_q = g.cost.shape
@@ -97,7 +100,7 @@ def solve_placement(
     for u in problem.units:
         cost = problem.unit_cost[u]
         ub = np.where(problem.forbidden[u], 0.0, 1.0)
-        offsets[u] = int(b.add_vars(len(cost), cost=cost, lb=0.0, ub=ub, integer=True)[0])
+        offsets[u] = int(b.add_vars(len(cost), cost=SCALE * cost, lb=0.0, ub=ub, integer=True)[0])
         sizes[u] = len(cost)
     _one_hot_rows(b, offsets, sizes)
     n_edge, edge_costs = _edge_rows(b, problem, offsets)
