@@ -133,7 +133,9 @@ class AutoParallel:
         """Placements of the model outputs (and of their incoming gradients)."""
         outputs = self._require_traced().outputs_of("output")
         if len(constraints) > len(outputs):
-            raise ConstraintError(f"{len(constraints)} output constraints given, but the model has {len(outputs)} outputs")
+            raise ConstraintError(
+                f"{len(constraints)} output constraints given, but the model has {len(outputs)} outputs"
+            )
         for i, c in enumerate(constraints):
             if c is not None:
                 self._outputs[i] = self._check_placements(f"output {i}", outputs[i].meta["val"], c)
@@ -199,7 +201,11 @@ class AutoParallel:
             if i in tangents:
                 fixed(f"output constraint {i} = {placements_str(pl)}", [tangents[i]], pl)
         for pin in self._pins:
-            fixed(f"node constraint {pin.target} = {placements_str(pin.placements)}", self._pin_targets(pin.target), pin.placements)
+            fixed(
+                f"node constraint {pin.target} = {placements_str(pin.placements)}",
+                self._pin_targets(pin.target),
+                pin.placements,
+            )
         return rows
 
     def _budget_rows(self, problem) -> list[BudgetRow]:

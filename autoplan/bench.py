@@ -71,7 +71,9 @@ def run_plan(args: argparse.Namespace) -> dict:
         "phases_s": plan.timings,
         "ilp": plan.ilp,
         "objective_s": plan.cost.total,
-        "solver": {k: plan.solver.get(k) for k in ("backend", "status", "objective", "bound", "gap", "lp_was_integral")},
+        "solver": {
+            k: plan.solver.get(k) for k in ("backend", "status", "objective", "bound", "gap", "lp_was_integral")
+        },
         "collectives": plan.collective_counts(),
         "peak_rss_gib": _peak_rss_gib(),
     }
@@ -79,8 +81,10 @@ def run_plan(args: argparse.Namespace) -> dict:
     print()
     print(f"model -> plan: {wall:.2f} s wall   peak RSS {result['peak_rss_gib']:.2f} GiB")
     print("phases: " + "  ".join(f"{k} {v:.2f}s" for k, v in plan.timings.items()))
-    print(f"ILP: {plan.ilp['n_vars']} variables ({plan.ilp['n_edge_vars']} edge), {plan.ilp['n_rows']} rows,"
-          f" {plan.ilp['n_units']} units for {plan.ilp['n_nodes']} graph nodes")
+    print(
+        f"ILP: {plan.ilp['n_vars']} variables ({plan.ilp['n_edge_vars']} edge), {plan.ilp['n_rows']} rows,"
+        f" {plan.ilp['n_units']} units for {plan.ilp['n_nodes']} graph nodes"
+    )
     print(f"objective {plan.cost.total * 1e3:.2f} ms/step, gap {plan.solver.get('gap')}")
     return result
 

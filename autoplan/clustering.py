@@ -33,7 +33,11 @@ class Clustering:
 
 def module_paths(tg: TracedGraph) -> dict[fx.Node, str]:
     """Module path per node; parameters use their owner module, untagged ops inherit from an input."""
-    owner = {n: lab[1].rpartition(".")[0] for n, lab in zip(tg.placeholders, tg.input_labels) if lab[0] in ("param", "buffer")}
+    owner = {
+        n: lab[1].rpartition(".")[0]
+        for n, lab in zip(tg.placeholders, tg.input_labels)
+        if lab[0] in ("param", "buffer")
+    }
     paths: dict[fx.Node, str] = {}
     for n in tg.gm.graph.nodes:
         path = owner.get(n) or n.meta.get(PATH_KEY, "")

@@ -109,7 +109,10 @@ class MeshTopology:
 
 
 def link_kind(ranks: torch.Tensor, dim: int, gpus_per_node: int) -> LinkKind:
-    """NVLink iff every process group along ``dim`` sits inside one node; one hop off-node makes the ring network-bound."""
+    """NVLink iff every process group along ``dim`` sits inside one node.
+
+    One hop off-node makes the whole ring network-bound.
+    """
     nodes = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]) // gpus_per_node
     return LinkKind.INTRA_NODE if bool((nodes == nodes[:, :1]).all()) else LinkKind.INTER_NODE
 

@@ -108,7 +108,9 @@ def solve_placement(
     for f in fixed:
         cols = [offsets[u] + np.asarray(allowed, dtype=np.int64) for u, allowed in f.items]
         rows = [np.full(len(c), i) for i, c in enumerate(cols)]
-        b.add_rows(np.concatenate(rows), np.concatenate(cols), 1.0, lo=np.ones(len(cols)), hi=np.ones(len(cols)), group=f.group)
+        b.add_rows(
+            np.concatenate(rows), np.concatenate(cols), 1.0, lo=np.ones(len(cols)), hi=np.ones(len(cols)), group=f.group
+        )
     for budget in budgets:
         cols = np.concatenate([offsets[u] + np.arange(len(c)) for u, c in budget.coeffs])
         vals = np.concatenate([c for _, c in budget.coeffs])
@@ -116,7 +118,14 @@ def solve_placement(
 
     model = b.build()
     t1 = time.perf_counter()
-    result = solve(model, backend=backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
+
+    def one_hot(x: np.ndarray) -> np.ndarray:
+        out = np.zeros_like(x)
+        for u in problem.units:
+            out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + sizes[u]]))] = 1.0
+        return out
+
+    result = solve(model, backend=backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap, rounding=one_hot)
     t2 = time.perf_counter()
     x = result.x
     choice = {u: int(np.argmax(x[offsets[u] : offsets[u] + sizes[u]])) for u in problem.units}

@@ -136,7 +136,10 @@ class Plan:
         for node in self.nodes.values():
             if _short_op(node.op) in _HEAVY_OPS:
                 ins = ", ".join(placements_str(p) or "-" for p in node.inputs)
-                key = (f"{_pattern(node.module)} {_short_op(node.op)} [{node.phase[:3]}]", f"{ins} -> {placements_str(node.outputs[0])}")
+                key = (
+                    f"{_pattern(node.module)} {_short_op(node.op)} [{node.phase[:3]}]",
+                    f"{ins} -> {placements_str(node.outputs[0])}",
+                )
                 heavy[key] += 1
         for (where, how), n in heavy.items():
             lines.append(f"{where:<48} {how:<40} {n}")

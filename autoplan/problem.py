@@ -104,9 +104,13 @@ def _single_use_view(v: fx.Node) -> bool:
     if not is_free(v) or v.op != "call_function" or v.target is operator.getitem:
         return False
     (user, *rest) = v.users or [None]
-    return not rest and user is not None and user.op == "call_function" and len(tensor_inputs(user)) >= 1 and sum(
-        a is v for a in tensor_inputs(user)
-    ) == 1
+    return (
+        not rest
+        and user is not None
+        and user.op == "call_function"
+        and len(tensor_inputs(user)) >= 1
+        and sum(a is v for a in tensor_inputs(user)) == 1
+    )
 
 
 def merge_followers(
@@ -124,7 +128,7 @@ def merge_followers(
     for v, ns in strategies.items():
         if not _single_use_view(v) or len(producers.get(v, ())) != 1:
             continue
-        (u, k), = producers[v]
+        ((u, k),) = producers[v]
         if u not in strategies or root_of(u) is v:
             continue
         by_input: dict[Placements, list[int]] = defaultdict(list)
@@ -259,7 +263,9 @@ def build_problem(
     for ur, k, placements in sinks:
         meta = tensor_meta(output_vals(ur)[k])
         unit, m = root[ur]
-        unit_cost[unit] += np.array([cost_model.redistribute_cost(strats[ur][i].outputs[k], placements, meta) for i in m])
+        unit_cost[unit] += np.array(
+            [cost_model.redistribute_cost(strats[ur][i].outputs[k], placements, meta) for i in m]
+        )
 
     forbidden = {u: ~np.isfinite(c) for u, c in unit_cost.items()}
     for u, c in unit_cost.items():
@@ -281,4 +287,3 @@ def allowed_strategies(problem: PlacementProblem, node: fx.Node, placements: Pla
     rep = problem.clustering.rep[node]
     _, m = problem.root[rep]
     return [r for r, i in enumerate(m) if problem.strategies[rep][i].outputs[0] == tuple(placements)]
-

@@ -68,13 +68,15 @@ def output_vals(node: fx.Node) -> tuple:
 
 
 def is_valid(placements: Placements | None, val, mesh_shape: Sequence[int]) -> bool:
-    """Reject shards the mesh cannot split evenly, and partial values of integer tensors."""
+    """Reject shards the mesh cannot split evenly, partial integer tensors and exotic placement types."""
     if placements is None:
         return True
     if not isinstance(val, torch.Tensor):
         return all(isinstance(p, Replicate) for p in placements)
     factor: dict[int, int] = {}
     for size, p in zip(mesh_shape, placements):
+        if type(p) not in (Replicate, Shard, Partial):  # e.g. DTensor's strided shards: never planned
+            return False
         if isinstance(p, Shard):
             d = p.dim + val.ndim if p.dim < 0 else p.dim
             if not 0 <= d < val.ndim:
@@ -124,29 +126,32 @@ def _meta_args(node: fx.Node):
 
 
 def _full_rule(node: fx.Node, mesh: DeviceMesh, choices: dict[fx.Node, list[Placements]]) -> list[Strategy]:
-    """DTensor's N-D rule over all input choices at once.
+    """DTensor's N-D rule over all input choices at once, plus one call per aligned choice.
 
-    Some rules (views) raise when *one* choice is unusable; then retry each combination of choices
-    on its own and keep those that work.
+    Rules that follow their inputs (stack, cat, views) answer a many-choice query with the single
+    strategy they prefer, and some raise when *one* choice is unusable; asking again with every
+    input at the same placement recovers the alternatives.
     """
-    try:
-        return _full_rule_once(node, mesh, choices)
-    except Exception:
-        pass
-    nodes = list(dict.fromkeys(tensor_inputs(node)))
-    combos = list(itertools.product(*(choices[a] for a in nodes)))
-    if len(combos) > _MAX_RETRY_COMBOS:
-        raise
     out: list[Strategy] = []
-    for combo in combos:
+    error: Exception | None = None
+    try:
+        out += _full_rule_once(node, mesh, choices)
+    except Exception as e:  # noqa: BLE001 - DTensor rules raise many kinds of errors for bad choices
+        error = e
+    nodes = list(dict.fromkeys(tensor_inputs(node)))
+    if len(nodes) == 1 and error is None:
+        return out
+    aligned = [
+        p for p in dict.fromkeys(itertools.chain(*(choices[a] for a in nodes))) if all(p in choices[a] for a in nodes)
+    ]
+    for p in aligned:
         try:
-            out += _full_rule_once(node, mesh, {a: [p] for a, p in zip(nodes, combo)})
-        except Exception:
+            out += _full_rule_once(node, mesh, {a: [p] for a in nodes})
+        except Exception:  # noqa: BLE001
             continue
+    if not out and error is not None:
+        raise error
     return out
-
-
-_MAX_RETRY_COMBOS = 512
 
 
 def _full_rule_once(node: fx.Node, mesh: DeviceMesh, choices: dict[fx.Node, list[Placements]]) -> list[Strategy]:
@@ -242,12 +247,12 @@ class StrategyBuilder:
 
     def _fallback(self, node: fx.Node) -> NodeStrategies:
         path = node.meta.get(PATH_KEY) or "<top level>"
-        msg = f"no sharding rule for {node.target} (node {node.name}, module {path}); it will run replicated"
+        msg = f"no sharding rule for {node.target} (node {node.name}, module {path})"
         if self.strict:
-            raise UnsupportedOpError(msg)
+            raise UnsupportedOpError(msg + "; strict mode forbids running it replicated")
         if node.target not in self._warned:
             self._warned.add(node.target)
-            warnings.warn(msg, stacklevel=2)
+            warnings.warn(msg + "; it will run replicated", stacklevel=2)
         return NodeStrategies(tuple(_replicate_only(node, len(self.mesh_shape))), "fallback")
 
 

@@ -173,9 +173,11 @@ def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode):
         out = tree_flatten(torch.func.functional_call(wrapper, state, inputs))[0]
         wrt = [*primals[:n_p], *(primals[n_p + n_b + i] for i in diff_in)]
         _tag_backward_seq_nr([out[i] for i in diff_out])
-        grads = torch.autograd.grad(
-            [out[i] for i in diff_out], wrt, tangents, allow_unused=True
-        ) if diff_out else [None] * len(wrt)
+        grads = (
+            torch.autograd.grad([out[i] for i in diff_out], wrt, tangents, allow_unused=True)
+            if diff_out
+            else [None] * len(wrt)
+        )
         return [*out, *grads]
 
     primals = [p.detach().requires_grad_(p.requires_grad) for _, p in named_params]
@@ -206,6 +208,15 @@ def _tag_backward_seq_nr(outputs: list[torch.Tensor]) -> None:
         seq = fn._sequence_nr()
         fn.register_prehook(lambda grads, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq))
         stack.extend(f for f, _ in fn.next_functions if f is not None)
+
+
+def _drop_empty_outputs(gm: fx.GraphModule, labels: list) -> list:
+    """Remove the gradient slots of non-differentiable inputs, as the fast path never emits them."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    keep = [i for i, lab in enumerate(labels) if lab[0] != "none"]
+    out.args = ([out.args[0][i] for i in keep],)
+    gm.recompile()
+    return [labels[i] for i in keep]
 
 
 def _mutating_ops(gm: fx.GraphModule) -> list[fx.Node]:
@@ -264,6 +275,7 @@ def trace_joint(
             stack.enter_context(fx_traceback.preserve_node_meta())
             stack.enter_context(_record_module_paths(wrapper))
             gm, in_labels, out_labels, joint = export_joint(stack, wrapper, args)
+        out_labels = _drop_empty_outputs(gm, out_labels)
     for node in gm.graph.nodes:
         node.meta[PATH_KEY] = _deepest_path(node)
     _inherit_backward_paths(gm)

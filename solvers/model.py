@@ -72,6 +72,12 @@ class LinearModel:
         """Objective of ``x`` including the constant offset."""
         return float(self.cost @ x) + self.constant
 
+    def with_integers_fixed(self, values: np.ndarray) -> LinearModel:
+        """Same model with every integer column fixed to ``values`` (an LP over the continuous rest)."""
+        lb = np.where(self.integer, values, self.col_lb)
+        ub = np.where(self.integer, values, self.col_ub)
+        return replace(self, col_lb=_frozen(lb, np.float64), col_ub=_frozen(ub, np.float64))
+
     def feasibility_model(self, active_groups: Iterable[str]) -> LinearModel:
         """Same constraints with a zero objective and the rows of inactive groups made free.
 

@@ -139,6 +139,26 @@ def _finish(
     return _result(model, backend, passes, raw.status, x, objective, -math.inf)
 
 
+def _try_rounding(
+    model: LinearModel,
+    run: Backend,
+    opts: SolverOptions,
+    values: np.ndarray,
+    lp_bound: float,
+    passes: list[RawSolution],
+) -> tuple[np.ndarray, float] | None:
+    """Fix the integer columns to ``values``, re-solve the rest; keep it if it closes the gap."""
+    fixed = run(model.with_integers_fixed(np.round(values)), False, opts)
+    passes.append(fixed)
+    if fixed.status is not SolveStatus.OPTIMAL:
+        return None
+    x = _rounded(model, fixed.x)
+    objective = model.objective_value(x)
+    if relative_gap(objective, lp_bound) > max(opts.mip_rel_gap, OPTIMALITY_GAP):
+        return None
+    return x, objective
+
+
 def solve(
     model: LinearModel,
     backend: str = "highs",
@@ -147,6 +167,7 @@ def solve(
     lp_first: bool = True,
     threads: int | None = None,
     verbose: bool = False,
+    rounding: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> SolveResult:
     """Minimise ``model``.
 
@@ -155,6 +176,10 @@ def solve(
     otherwise the MIP is solved within what is left of ``time_limit``. Raises ``InfeasibleError``
     naming a minimal set of conflicting user groups, or ``SolverTimeoutError`` when the time
     limit passes without any feasible point.
+
+    ``rounding`` maps a fractional LP solution to integer values for the integer columns (e.g. an
+    argmax per one-hot group). The continuous rest is then re-optimised with those fixed; if that
+    point is within ``mip_rel_gap`` of the LP bound it is provably good enough and the MIP is skipped.
     """
     name = _backend_name(backend)
     run = _BACKENDS[name]
@@ -175,5 +200,10 @@ def solve(
             raise _timeout(model, name, opts)
         if lp.status is SolveStatus.OPTIMAL:
             lp_bound = lp.bound
+            if rounding is not None:
+                rounded = _try_rounding(model, run, _remaining(opts, started), rounding(lp.x), lp_bound, passes)
+                if rounded is not None:
+                    x, objective = rounded
+                    return _result(model, name, passes, SolveStatus.OPTIMAL, x, objective, lp_bound)
     passes.append(run(model, True, _remaining(opts, started)))
     return _finish(model, name, run, opts, passes, lp_bound)

@@ -7,7 +7,7 @@ from models import MLP, Block
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.models.llama3 import LLAMA3_CONFIGS, LlamaConfig, Transformer
+from autoplan.models.llama3 import LlamaConfig
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -36,7 +36,9 @@ def forward_path(node):
 
 
 def grad_collectives(plan):
-    return {r.consumer.removeprefix("grad:"): r.collectives for r in plan.redistributions if r.consumer.startswith("grad:")}
+    return {
+        r.consumer.removeprefix("grad:"): r.collectives for r in plan.redistributions if r.consumer.startswith("grad:")
+    }
 
 
 def test_mlp_large_batch_small_weights_is_data_parallel():
@@ -87,14 +89,19 @@ def test_transformer_block_ffn_is_column_then_row_parallel_on_tp(block_plan):
         assert col.inputs[0][tp] == R and col.inputs[1][tp] == S1 and col.outputs[0][tp] == S1
     assert w2.inputs[0][tp] == S1 and w2.inputs[1][tp] == S0 and w2.outputs[0][tp] == P
     # one reduction on tp in the forward FFN: w2's partial sum, nothing between the column and row matmuls
-    ffn_fwd = {n.name for n in block_plan.nodes.values() if n.module.startswith("block.feed_forward") and n.phase == "forward"}
-    tp_moves = [r for r in block_plan.redistributions if r.consumer in ffn_fwd and any(d == tp for _, d in r.collectives)]
+    ffn_fwd = {
+        n.name for n in block_plan.nodes.values() if n.module.startswith("block.feed_forward") and n.phase == "forward"
+    }
+    tp_moves = [
+        r for r in block_plan.redistributions if r.consumer in ffn_fwd and any(d == tp for _, d in r.collectives)
+    ]
     assert tp_moves == []
     reductions = [
-        r for r in block_plan.redistributions
-        if r.producer == w2.name or r.producer in _views_of(block_plan, w2.name)
+        r for r in block_plan.redistributions if r.producer == w2.name or r.producer in _views_of(block_plan, w2.name)
     ]
-    tp_reductions = [r for r in reductions if any(k in ("all_reduce", "reduce_scatter") and d == tp for k, d in r.collectives)]
+    tp_reductions = [
+        r for r in reductions if any(k in ("all_reduce", "reduce_scatter") and d == tp for k, d in r.collectives)
+    ]
     assert len(tp_reductions) == 1
 
 
@@ -103,7 +110,9 @@ def _views_of(plan, name):
     out, frontier = set(), {name}
     view_ops = {"aten._unsafe_view.default", "aten.view.default"}
     while frontier:
-        nxt = {n.name for n in plan.nodes.values() if n.op in view_ops and n.name not in out and _reads(plan, n, frontier)}
+        nxt = {
+            n.name for n in plan.nodes.values() if n.op in view_ops and n.name not in out and _reads(plan, n, frontier)
+        }
         out |= nxt
         frontier = nxt
     return out

@@ -7,7 +7,6 @@ upgrade touches one module.
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,7 +108,8 @@ def full_rule_strategies(op: torch._ops.OpOverload, args_schema: tuple, kwargs_s
     placements has one entry per tensor argument in flattened argument order.
     """
     with _no_redistribute_costs():
-        strategy = sharding_propagator().op_strategy_funcs[op](OpSchema(op, args_schema, kwargs_schema))
+        schema = OpSchema(op, _copy_lists(args_schema), _copy_lists(kwargs_schema))
+        strategy = sharding_propagator().op_strategy_funcs[op](schema)
     if isinstance(strategy, TupleStrategy):
         raise NotImplementedError(f"{op} returns a per-output tuple strategy")
     pairs = []
@@ -126,13 +126,30 @@ def full_rule_strategies(op: torch._ops.OpOverload, args_schema: tuple, kwargs_s
     return pairs
 
 
+def _copy_lists(tree):
+    if isinstance(tree, list):
+        return [_copy_lists(x) for x in tree]
+    if isinstance(tree, tuple):
+        return tuple(_copy_lists(x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _copy_lists(v) for k, v in tree.items()}
+    return tree
+
+
 def propagate_output_placements(
     op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict
 ) -> tuple[Placements | None, ...]:
     """What DTensor's own propagation gives for given input specs (used to validate plans)."""
-    out = sharding_propagator().propagate_op_sharding(OpSchema(op, args_schema, kwargs_schema))
-    if out.needs_redistribute:
-        raise ValueError(f"DTensor would redistribute the inputs of {op} for these placements")
+    # DTensor rewrites shape arguments to local sizes; never let it touch the caller's (graph's) lists
+    schema = OpSchema(op, _copy_lists(args_schema), _copy_lists(kwargs_schema))
+    # uncached: the cached entry point returned another view's output spec for an equal-looking schema
+    out = sharding_propagator().propagate_op_sharding_non_cached(schema)
+    # view ops report needs_redistribute only to pass local shapes; compare placements instead
+    if out.needs_redistribute and out.redistribute_schema is not None:
+        wanted = [s.placements for s in out.redistribute_schema.args_spec]
+        given = [s.placements for s in schema.args_spec]
+        if wanted != given:
+            raise ValueError(f"DTensor would redistribute the inputs of {op}: {given} -> {wanted}")
     specs = out.output_spec
     if isinstance(specs, DTensorSpec):
         return (specs.placements,)

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch.fx as fx
 from torch import nn
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
     GradAOTOutput,
@@ -16,6 +15,7 @@ from torch._functorch._aot_autograd.descriptors import (
     PlainAOTOutput,
     TangentAOTInput,
 )
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 InputLabel = tuple[str, Any]  # ("param", fqn) | ("buffer", fqn) | ("input", i) | ("tangent", i)
 OutputLabel = tuple[str, Any]  # ("output", i) | ("grad_param", fqn) | ("grad_input", i)

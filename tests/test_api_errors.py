@@ -1,0 +1,220 @@
+"""User-facing errors and warnings of ``AutoParallel``: each names what went wrong and where."""
+
+import re
+import warnings
+
+import pytest
+import torch
+from conftest import fake_mesh
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from autoplan import AutoParallel, ConstraintError, UnsupportedOpError
+from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
+from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from solvers import InfeasibleError
+
+aten = torch.ops.aten
+R, S0 = Replicate(), Shard(0)
+CFG = LLAMA3_CONFIGS["debug"]
+
+
+def tokens(batch: int = 8):
+    return lambda: torch.randint(0, CFG.vocab_size, (batch, 16))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return fake_mesh((2, 4), ("dp", "tp"))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    with torch.device("meta"):
+        return Transformer(CFG)
+
+
+def mlp() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+# ---- infeasible constraint sets --------------------------------------------------------------
+
+
+def test_conflicting_pins_name_both_constraints(llama, mesh):
+    with AutoParallel(llama, mesh, input_fn=tokens()) as ap:
+        name = ap.traced.placeholder_for("input")[0].name
+        ap.add_input_constraints([(S0, R)])
+        ap.add_node_constraint(name, (R, R))
+        with pytest.raises(InfeasibleError) as info:
+            ap.optimize_placement()
+    msg = str(info.value)
+    assert "input constraint 0 = S(0)R" in msg, msg
+    assert f"node constraint {name} = RR" in msg, msg
+
+
+def test_too_small_memory_budget_names_the_memory_constraint(llama, mesh):
+    with AutoParallel(llama, mesh, input_fn=tokens()) as ap:
+        ap.add_memory_constraint(bytes_per_device=1)
+        with pytest.raises(InfeasibleError, match="memory constraint") as info:
+            ap.optimize_placement()
+    assert "input constraint" not in str(info.value) and "node constraint" not in str(info.value)
+
+
+def test_memory_constraint_arguments_are_checked(llama, mesh):
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        with pytest.raises(ConstraintError, match="exactly one"):
+            ap.add_memory_constraint()
+        with pytest.raises(ConstraintError, match="exactly one"):
+            ap.add_memory_constraint(param_fraction=0.5, bytes_per_device=10)
+        with pytest.raises(ConstraintError, match="param_fraction"):
+            ap.add_memory_constraint(param_fraction=0)
+        with pytest.raises(ConstraintError, match="param_fraction"):
+            ap.add_memory_constraint(param_fraction=1.5)
+
+
+# ---- constraints that cannot apply to this model and mesh -----------------------------------
+
+
+def test_unsplittable_input_shape(mesh):
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(6, 8)) as ap:
+        ap.add_input_constraints([(S0, R)])  # 6 splits over the 2-way dim
+        with pytest.raises(ConstraintError) as info:
+            ap.add_input_constraints([(R, S0)])  # but not over the 4-way one
+    msg = str(info.value)
+    assert "input 0" in msg and "(6, 8)" in msg and "(2, 4)" in msg, msg
+
+
+def test_unsplittable_output_and_node_shapes(mesh):
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(6, 8)) as ap:
+        with pytest.raises(ConstraintError, match=re.escape("(6, 8)")):
+            ap.add_output_constraints([(R, S0)])
+        ap.add_node_constraint("0.weight", (S0, S0))  # (16, 8): 16 rows over 8 devices is fine
+        with pytest.raises(ConstraintError, match=re.escape("(16, 8)")):
+            ap.add_node_constraint("0.weight", (Shard(2), R))  # no dim 2
+    with torch.device("meta"):
+        model = nn.Linear(6, 4)
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randn(8, 6)) as ap:
+        with pytest.raises(ConstraintError, match=r"'weight'.*shape \(4, 6\).*mesh \(2, 4\)"):
+            ap.add_node_constraint("weight", (R, Shard(1)))  # 6 columns over 4 devices
+
+
+def test_wrong_number_of_placements(mesh):
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        with pytest.raises(ConstraintError, match="1 placements given for a 2-D mesh"):
+            ap.add_input_constraints([(S0,)])
+        with pytest.raises(ConstraintError, match="3 placements given for a 2-D mesh"):
+            ap.add_node_constraint("2.weight", (R, R, R))
+        with pytest.raises(ConstraintError, match="2 input constraints given, but the model has 1 inputs"):
+            ap.add_input_constraints([(S0, R), (S0, R)])
+
+
+def test_node_constraint_matching_nothing(llama, mesh):
+    with AutoParallel(llama, mesh, input_fn=tokens()) as ap:
+        ap.add_node_constraint("layers.*.attention.wq.weight", (S0, R))  # a glob that matches
+        target = "layers.*.attention.nope.weight"
+        with pytest.raises(ConstraintError, match=re.escape(repr(target))):
+            ap.add_node_constraint(target, (S0, R))
+    assert [p.target for p in ap._pins] == ["layers.*.attention.wq.weight"]  # the bad pin was not recorded
+
+
+# ---- bad arguments and misuse ----------------------------------------------------------------
+
+
+def test_mesh_must_be_a_device_mesh(llama):
+    with pytest.raises(TypeError, match="DeviceMesh.*tuple"):
+        AutoParallel(llama, (2, 4), input_fn=tokens())
+
+
+def test_model_must_be_a_module(mesh):
+    with pytest.raises(TypeError, match="nn.Module.*function"):
+        AutoParallel(lambda x: x, mesh, input_fn=tokens())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ap: ap.optimize_placement(),
+        lambda ap: ap.add_input_constraints([(S0, R)]),
+        lambda ap: ap.add_output_constraints([(S0, R)]),
+        lambda ap: ap.add_node_constraint("0.weight", (R, R)),
+    ],
+    ids=["optimize_placement", "add_input_constraints", "add_output_constraints", "add_node_constraint"],
+)
+def test_use_outside_the_context_manager(mesh, call):
+    ap = AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8))
+    with pytest.raises(RuntimeError, match=r"context manager.*with AutoParallel\("):
+        call(ap)
+
+
+# ---- ops without a sharding rule ------------------------------------------------------------
+
+UNSUPPORTED = aten.searchsorted.Tensor
+
+
+class Bucketize(nn.Module):
+    """Scales activations by their bucket index: ``searchsorted`` has no DTensor rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bounds", torch.linspace(-1, 1, 8))
+
+    def forward(self, y):
+        return y * torch.searchsorted(self.bounds, y.detach()).to(y.dtype)
+
+
+class WithBucketize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.bucket = Bucketize()
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(self.bucket(self.inp(x)))
+
+
+def test_searchsorted_really_has_no_rule():
+    assert single_dim_rules(UNSUPPORTED, (), {}) is None
+    assert not has_full_rule(UNSUPPORTED)
+
+
+def test_unsupported_op_warns_and_runs_replicated(mesh):
+    with pytest.warns(UserWarning, match=r"no sharding rule for aten\.searchsorted\.Tensor .*module bucket\)") as rec:
+        with AutoParallel(WithBucketize(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+            ap.add_input_constraints([(S0, R)])
+            plan = ap.optimize_placement()
+    assert sum("searchsorted" in str(w.message) for w in rec) == 1  # warned once
+    (node,) = [n for n in plan.nodes.values() if n.op == str(UNSUPPORTED)]
+    assert node.module == "bucket" and node.phase == "forward"
+    assert node.outputs == ((R, R),)
+    assert node.inputs and all(p == (R, R) for p in node.inputs)
+    # the rest of the model is still planned: the pinned input keeps its sharding
+    assert plan.nodes[ap.traced.placeholder_for("input")[0].name].outputs == ((S0, R),)
+
+
+def test_unsupported_op_raises_in_strict_mode(mesh):
+    with pytest.raises(UnsupportedOpError) as info:
+        with AutoParallel(WithBucketize(), mesh, input_fn=lambda: torch.randn(8, 8), strict=True):
+            pass
+    msg = str(info.value)
+    assert "aten.searchsorted.Tensor" in msg and "module bucket" in msg, msg
+
+
+def test_strict_mode_accepts_fully_supported_models(mesh):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8), strict=True) as ap:
+            plan = ap.optimize_placement()
+    assert set(plan.param_placements) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_supported_op_does_not_fall_back_for_batch_6(llama, mesh):
+    assert has_full_rule(aten.stack.default)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with AutoParallel(llama, mesh, input_fn=tokens(batch=6)):
+            pass
+    fallbacks = [str(w.message) for w in rec if "no sharding rule" in str(w.message)]
+    assert fallbacks == []
