@@ -266,6 +266,7 @@ class AutoParallel:
                 "n_vars": solved.n_vars,
                 "n_rows": solved.n_rows,
                 "n_edge_vars": solved.n_edge_vars,
+                "n_dropped_strategies": solved.n_dropped,
                 "n_units": len(problem.units),
                 "n_merged": problem.n_merged,
                 "n_clustered": self.clustering.n_clustered,

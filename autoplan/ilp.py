@@ -36,6 +36,7 @@ class UnitChoice:
     n_vars: int
     n_rows: int
     n_edge_vars: int
+    n_dropped: int  # strategies never given a variable (dominated or impossible)
     objective_without_tie_break: float
     build_time: float
     solve_time: float
@@ -56,14 +57,45 @@ class BudgetRow:
     limit: float
 
 
-def _one_hot_rows(b: ModelBuilder, offsets: dict[fx.Node, int], sizes: dict[fx.Node, int]) -> None:
+def undominated(
+    problem: PlacementProblem, fixed: list[FixedRows], budgets: list[BudgetRow]
+) -> dict[fx.Node, np.ndarray]:
+    """Per unit, the strategies worth a variable: finite, and cheapest among those that look the same
+    to every edge, constraint and budget (the others can only cost more in any plan)."""
+    signature: dict[fx.Node, list[np.ndarray]] = {u: [] for u in problem.units}
+    for g in problem.edges:
+        signature[g.src].append(g.src_label)
+        signature[g.dst].append(g.dst_label)
+    for f in fixed:
+        for u, allowed in f.items:
+            signature[u].append(np.isin(np.arange(len(problem.unit_cost[u])), allowed))
+    for budget in budgets:
+        for u, c in budget.coeffs:
+            signature[u].append(c)
+    kept = {}
+    for u in problem.units:
+        cost = problem.unit_cost[u]
+        n = len(cost)
+        keys = np.stack(signature[u], axis=1) if signature[u] else np.zeros((n, 0))
+        best: dict[bytes, int] = {}
+        for i in np.flatnonzero(~problem.forbidden[u]):
+            k = keys[i].tobytes()
+            if k not in best or cost[i] < cost[best[k]]:
+                best[k] = int(i)
+        kept[u] = np.array(sorted(best.values()), dtype=np.int64)
+    return kept
+
+
+def _one_hot_rows(b: ModelBuilder, offsets: dict[fx.Node, int], kept: dict[fx.Node, np.ndarray]) -> None:
     units = list(offsets)
-    rows = np.concatenate([np.full(sizes[u], i) for i, u in enumerate(units)])
-    cols = np.concatenate([offsets[u] + np.arange(sizes[u]) for u in units])
+    rows = np.concatenate([np.full(len(kept[u]), i) for i, u in enumerate(units)])
+    cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u in units])
     b.add_rows(rows, cols, 1.0, lo=np.ones(len(units)), hi=np.ones(len(units)))
 
 
-def _edge_rows(b: ModelBuilder, problem: PlacementProblem, offsets: dict[fx.Node, int]) -> tuple[int, np.ndarray]:
+def _edge_rows(
+    b: ModelBuilder, problem: PlacementProblem, offsets: dict[fx.Node, int], kept: dict[fx.Node, np.ndarray]
+) -> tuple[int, np.ndarray]:
     """Edge variables and their marginal rows; returns (count, true cost per edge variable)."""
     n_edge = 0
     true_costs = []
@@ -76,9 +108,9 @@ def _edge_rows(b: ModelBuilder, problem: PlacementProblem, offsets: dict[fx.Node
         true_costs.append(cost)
         n_o, n_q = g.cost.shape
         # producer marginals: rows 0..n_o-1; consumer marginals: rows n_o..n_o+n_q-1
-        src_x = offsets[g.src] + np.arange(len(g.src_label))
-        dst_x = offsets[g.dst] + np.arange(len(g.dst_label))
-        rows = np.concatenate([oi, n_o + qi, g.src_label, n_o + g.dst_label])
+        src_x = offsets[g.src] + np.arange(len(kept[g.src]))
+        dst_x = offsets[g.dst] + np.arange(len(kept[g.dst]))
+        rows = np.concatenate([oi, n_o + qi, g.src_label[kept[g.src]], n_o + g.dst_label[kept[g.dst]]])
         cols = np.concatenate([e, e, src_x, dst_x])
         vals = np.concatenate([np.ones(2 * len(oi)), -np.ones(len(src_x) + len(dst_x))])
         b.add_rows(rows, cols, vals, lo=np.zeros(n_o + n_q), hi=np.zeros(n_o + n_q))
@@ -94,26 +126,23 @@ def solve_placement(
     mip_rel_gap: float = 1e-6,
 ) -> UnitChoice:
     t0 = time.perf_counter()
+    kept = undominated(problem, fixed, budgets)
     b = ModelBuilder("placement")
     offsets: dict[fx.Node, int] = {}
-    sizes: dict[fx.Node, int] = {}
     for u in problem.units:
-        cost = problem.unit_cost[u]
-        ub = np.where(problem.forbidden[u], 0.0, 1.0)
-        offsets[u] = int(b.add_vars(len(cost), cost=SCALE * cost, lb=0.0, ub=ub, integer=True)[0])
-        sizes[u] = len(cost)
-    _one_hot_rows(b, offsets, sizes)
-    n_edge, edge_costs = _edge_rows(b, problem, offsets)
+        offsets[u] = int(b.add_vars(len(kept[u]), cost=SCALE * problem.unit_cost[u][kept[u]], integer=True)[0])
+    _one_hot_rows(b, offsets, kept)
+    n_edge, edge_costs = _edge_rows(b, problem, offsets, kept)
 
     for f in fixed:
-        cols = [offsets[u] + np.asarray(allowed, dtype=np.int64) for u, allowed in f.items]
+        cols = [offsets[u] + np.flatnonzero(np.isin(kept[u], allowed)) for u, allowed in f.items]
         rows = [np.full(len(c), i) for i, c in enumerate(cols)]
         b.add_rows(
             np.concatenate(rows), np.concatenate(cols), 1.0, lo=np.ones(len(cols)), hi=np.ones(len(cols)), group=f.group
         )
     for budget in budgets:
-        cols = np.concatenate([offsets[u] + np.arange(len(c)) for u, c in budget.coeffs])
-        vals = np.concatenate([c for _, c in budget.coeffs])
+        cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u, _ in budget.coeffs])
+        vals = np.concatenate([c[kept[u]] for u, c in budget.coeffs])
         b.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, lo=-np.inf, hi=budget.limit, group=budget.group)
 
     model = b.build()
@@ -122,15 +151,15 @@ def solve_placement(
     def one_hot(x: np.ndarray) -> np.ndarray:
         out = np.zeros_like(x)
         for u in problem.units:
-            out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + sizes[u]]))] = 1.0
+            out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + len(kept[u])]))] = 1.0
         return out
 
     result = solve(model, backend=backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap, rounding=one_hot)
     t2 = time.perf_counter()
     x = result.x
-    choice = {u: int(np.argmax(x[offsets[u] : offsets[u] + sizes[u]])) for u in problem.units}
+    choice = {u: int(kept[u][np.argmax(x[offsets[u] : offsets[u] + len(kept[u])])]) for u in problem.units}
     x_cost = sum(float(problem.unit_cost[u][r]) for u, r in choice.items())
-    n_x = sum(sizes.values())
+    n_x = sum(len(k) for k in kept.values())
     e_cost = float(edge_costs @ x[n_x : n_x + n_edge]) if n_edge else 0.0
     return UnitChoice(
         choice=choice,
@@ -138,6 +167,7 @@ def solve_placement(
         n_vars=model.n_cols,
         n_rows=model.n_rows,
         n_edge_vars=n_edge,
+        n_dropped=sum(len(problem.unit_cost[u]) - len(kept[u]) for u in problem.units),
         objective_without_tie_break=x_cost + e_cost,
         build_time=t1 - t0,
         solve_time=t2 - t1,

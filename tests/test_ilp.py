@@ -1,0 +1,55 @@
+"""The placement ILP on hand-built problems: dominated strategies, edges, constraints."""
+
+import numpy as np
+import torch.fx as fx
+
+from autoplan.clustering import Clustering
+from autoplan.ilp import BudgetRow, FixedRows, solve_placement, undominated
+from autoplan.problem import EdgeGroup, PlacementProblem
+
+
+def two_units(cost_a, cost_b, edge_cost, src_label, dst_label):
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    edge = EdgeGroup(
+        a,
+        b,
+        np.array(src_label),
+        np.array(dst_label),
+        np.array(edge_cost, dtype=float),
+        (np.array(edge_cost) > 0).astype(float),
+    )
+    problem = PlacementProblem(
+        units=[a, b],
+        strategies={},
+        unit_cost={a: np.array(cost_a, dtype=float), b: np.array(cost_b, dtype=float)},
+        forbidden={a: ~np.isfinite(cost_a), b: ~np.isfinite(cost_b)},
+        edges=[edge],
+        root={},
+        clustering=Clustering({}, {}, (), {}),
+    )
+    return problem, a, b
+
+
+def test_dominated_and_impossible_strategies_get_no_variable():
+    # a's strategies 0 and 1 look identical to the edge (label 0): only the cheaper one is kept;
+    # strategy 3 is impossible (infinite folded cost)
+    problem, a, b = two_units([3.0, 1.0, 2.0, np.inf], [0.0, 0.0], [[0.0, 5.0], [5.0, 0.0]], [0, 0, 1, 1], [0, 1])
+    kept = undominated(problem, [], [])
+    assert kept[a].tolist() == [1, 2] and kept[b].tolist() == [0, 1]
+    solved = solve_placement(problem, [], [])
+    assert solved.choice == {a: 1, b: 0} and solved.n_dropped == 2
+    assert np.isclose(solved.objective_without_tie_break, 1.0)
+
+
+def test_constraints_keep_strategies_they_distinguish():
+    # same labels and costs: one copy suffices, unless a pin allows only the other one
+    problem, a, b = two_units([1.0, 1.0], [0.0, 0.0], [[0.0, 4.0], [4.0, 0.0]], [0, 0], [0, 1])
+    assert undominated(problem, [], [])[a].tolist() == [0]
+    pin = FixedRows("pin a", ((a, (1,)),))
+    assert undominated(problem, [pin], [])[a].tolist() == [0, 1]
+    assert solve_placement(problem, [pin], []).choice[a] == 1
+    budget = BudgetRow("budget", ((a, np.array([2.0, 1.0])),), 1.5)
+    assert undominated(problem, [], [budget])[a].tolist() == [0, 1]
+    solved = solve_placement(problem, [], [budget])
+    assert solved.choice[a] == 1  # the only strategy within budget
