@@ -21,8 +21,10 @@ from autoplan.constraints import ConstraintError, Pin
 from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
 from autoplan.evaluate import evaluate, expand_choice, memory_report
 from autoplan.ilp import BudgetRow, FixedRows, solve_placement
+from autoplan.lowering import lower
 from autoplan.plan import Plan, placements_str
 from autoplan.problem import allowed_strategies, build_problem
+from autoplan.runtime import build_parallel_module, make_executor
 from autoplan.strategies import Placements, StrategyBuilder, enumerate_strategies, is_valid
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 
@@ -224,6 +226,29 @@ class AutoParallel:
         group = f"memory constraint: parameter bytes per device <= {self._param_budget:.6g}"
         return [BudgetRow(group, tuple(coeffs.items()), self._param_budget)]
 
+    def apply_placement(self, plan: Plan, *, return_dtensor: bool = False) -> nn.Module:
+        """The parallel module for ``plan``: DTensor parameters, the lowered graphs in forward/backward.
+
+        Each rank passes its local shard of every input and gets local outputs (DTensors with
+        ``return_dtensor``). A meta model is materialised with ``to_empty`` + ``init_weights()`` or
+        ``load_state_dict`` of a full state dict.
+        """
+        tg = self._require_traced()
+        t0 = time.perf_counter()
+        lowered = lower(tg, plan, self.mesh, self._outputs)
+        executor = make_executor(lowered)
+        buffers = {fqn: plan.nodes[n.name].outputs[0] for fqn, n in tg.placeholder_for("buffer").items()}
+        outputs = [
+            (o.meta["val"].shape, o.meta["val"].stride()) if isinstance(o, fx.Node) else None
+            for o in tg.outputs_of("output").values()
+        ]
+        pmod = build_parallel_module(
+            self.model, self.mesh, lowered, plan.param_placements, buffers, outputs, executor, return_dtensor
+        )
+        self.timings["apply"] = time.perf_counter() - t0
+        self.lowered = lowered
+        return pmod
+
     def optimize_placement(self) -> Plan:
         tg = self._require_traced()
         t0 = time.perf_counter()
@@ -236,7 +261,12 @@ class AutoParallel:
         solved = solve_placement(problem, fixed, budgets, time_limit=self.time_limit, backend=self.solver_backend)
         t2 = time.perf_counter()
         chosen = expand_choice(tg, problem, solved.choice)
-        ev = evaluate(tg, chosen, cost_model, self._outputs)
+        rules = {
+            n: self.strategies[self.clustering.rep[n]].source
+            for n in chosen
+            if self.clustering.rep[n] in self.strategies
+        }
+        ev = evaluate(tg, chosen, cost_model, self._outputs, rules)
         mesh_shape = tuple(self.mesh.shape)
         if not math.isclose(ev.cost.total, solved.objective_without_tie_break, rel_tol=1e-6, abs_tol=1e-9):
             warnings.warn(

@@ -60,6 +60,7 @@ def evaluate(
     chosen: dict[fx.Node, Strategy],
     cost_model: CostModel,
     fixed_outputs: dict[int, Placements],
+    rules: dict[fx.Node, str],
 ) -> Evaluation:
     compute_cache: dict[tuple, float] = {}
     nodes: dict[str, NodePlan] = {}
@@ -100,6 +101,7 @@ def evaluate(
             outputs=s.outputs,
             inputs=s.inputs,
             compute_s=compute,
+            rule=rules.get(n, ""),
         )
 
     params = tg.placeholder_for("param")

@@ -57,6 +57,7 @@ class NodePlan:
     outputs: tuple[Placements | None, ...]
     inputs: tuple[Placements, ...]
     compute_s: float
+    rule: str = ""  # where the strategy came from: "dtensor", "dtensor-1d", "autoplan", "fallback", "placeholder"
 
 
 @dataclass(frozen=True)
@@ -263,4 +264,5 @@ def _node_from_dict(d: dict) -> NodePlan:
         outputs=tuple(parse_placements(p) for p in d["outputs"]),
         inputs=tuple(parse_placements(p) for p in d["inputs"]),
         compute_s=d["compute_s"],
+        rule=d["rule"],
     )

@@ -17,7 +17,11 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
-from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor._redistribute import (
+    _gen_transform_infos,
+    disable_redistribute_transform_optimization,
+    redistribute_local_tensor,
+)
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 Placements = tuple[Placement, ...]
@@ -161,3 +165,14 @@ def shard_dim(placement: Placement) -> int | None:
     if isinstance(placement, (Shard, _StridedShard)):
         return placement.dim
     return None
+
+
+def redistribute(value: DTensor, placements: Placements) -> DTensor:
+    """Move a DTensor to ``placements`` step by step, as priced: Partial targets allowed (the public
+    API forbids them), and no merging of steps across mesh dims (a later pass fuses explicitly)."""
+    mesh = value.device_mesh
+    src = value._spec
+    dst = make_spec(mesh, placements, src.tensor_meta)
+    with disable_redistribute_transform_optimization():
+        local = redistribute_local_tensor(value._local_tensor, src, dst)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())

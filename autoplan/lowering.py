@@ -1,0 +1,212 @@
+"""Lower a planned joint graph to the per-rank graph every rank runs: local shapes, explicit collectives.
+
+The traced joint graph is re-executed on DTensors whose placements follow the plan: before each op
+every input is redistributed to the placement the plan expects, so DTensor computes exactly the
+chosen strategy. Tracing that execution with ``make_fx`` on fake local tensors records local ATen
+ops (shape arguments already localised by DTensor) and the plan's redistributions as functional
+collectives (``_c10d_functional.*`` + ``wait_tensor``) on the mesh's process groups.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from autoplan.adapters.dtensor import redistribute
+from autoplan.adapters.functorch import partition_joint
+from autoplan.plan import Plan, placements_str
+from autoplan.strategies import Placements
+from autoplan.tracing import PHASE_KEY, TracedGraph
+
+COLLECTIVES = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+}
+
+
+class LoweringError(RuntimeError):
+    """The plan and DTensor disagree about a node (a planner bug, reported with the node)."""
+
+
+@dataclass
+class LoweredGraph:
+    """Per-rank joint graph plus what the runtime needs to feed and read it."""
+
+    joint: fx.GraphModule
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    input_labels: list
+    output_labels: list
+    input_placements: list[Placements]  # per placeholder
+    output_placements: list[Placements | None]  # per graph output
+    n_outputs: int  # model outputs (forward graph's first outputs)
+    local_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]  # per placeholder: (local, global)
+
+    def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
+        return count_collectives(graph or self.joint)
+
+
+def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
+    counts: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional":
+            kind = COLLECTIVES.get(n.target._opname)
+            if kind:
+                counts[kind] += 1
+    return dict(sorted(counts.items()))
+
+
+def output_targets(tg: TracedGraph, plan: Plan, fixed_outputs: dict[int, Placements]) -> list[Placements | None]:
+    """Where each graph output must end up: constrained outputs, gradients in their parameter's placement."""
+    params = tg.placeholder_for("param")
+    inputs = tg.placeholder_for("input")
+    tangents = tg.placeholder_for("tangent")
+    targets: list[Placements | None] = []
+    for kind, target in tg.output_labels:
+        if kind == "output":
+            default = plan.nodes[tangents[target].name].outputs[0] if target in tangents else None
+            targets.append(fixed_outputs.get(target, default))
+        elif kind == "grad_param":
+            targets.append(plan.nodes[params[target].name].outputs[0])
+        elif kind == "grad_input":
+            targets.append(plan.nodes[inputs[target].name].outputs[0])
+        else:
+            targets.append(None)
+    return targets
+
+
+def _to(value, mesh: DeviceMesh, placements: Placements | None):
+    if placements is None or not isinstance(value, DTensor):
+        return value
+    return value if value.placements == tuple(placements) else redistribute(value, placements)
+
+
+def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, outputs: tuple):
+    """Ops DTensor has no rule for (ours, or replicate-only fallbacks): run on the local shards."""
+    unwrap = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
+    result = node.target(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    flat, spec = tree_flatten(result)
+    vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    wrapped = [
+        DTensor.from_local(r, mesh, pl, run_check=False, shape=v.shape, stride=v.stride())
+        if isinstance(r, torch.Tensor) and pl is not None
+        else r
+        for r, pl, v in zip(flat, outputs, vals)
+    ]
+    return tree_unflatten(wrapped, spec)
+
+
+def _interpret(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, targets, primals, tangents):
+    env: dict[fx.Node, object] = {}
+    placeholders = iter([*primals, *tangents])
+    for node in tg.gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            pl = plan.nodes[node.name].outputs[0]
+            env[node] = DTensor.from_local(
+                next(placeholders), mesh, pl, run_check=False, shape=val.shape, stride=val.stride()
+            )
+        elif node.op == "call_function" and node.target is operator.getitem:
+            env[node] = env[node.args[0]][node.args[1]]
+        elif node.op == "call_function":
+            env[node] = _run_node(node, plan, mesh, env)
+        elif node.op == "output":
+            outs = node.args[0]
+            return [_to(env[o], mesh, t).to_local() if isinstance(o, fx.Node) else o for o, t in zip(outs, targets)]
+    raise LoweringError("graph has no output node")
+
+
+def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict):
+    chosen = plan.nodes[node.name]
+    wanted = iter(chosen.inputs)
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    flat = [_to(env[a], mesh, next(wanted)) if isinstance(a, fx.Node) else a for a in flat]
+    args, kwargs = tree_unflatten(flat, spec)
+    if chosen.rule in LOCAL_RULES:
+        return _run_local(node, args, kwargs, mesh, chosen.outputs)
+    result = node.target(*args, **kwargs)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for i, (r, pl) in enumerate(zip(results, chosen.outputs)):
+        if isinstance(r, DTensor) and pl is not None and r.placements != tuple(pl):
+            raise LoweringError(
+                f"{node.name} ({node.target}) output {i}: plan says {placements_str(pl)}, DTensor computed "
+                f"{placements_str(r.placements)} from inputs {[placements_str(p) for p in chosen.inputs]}"
+            )
+        if not isinstance(r, DTensor) and isinstance(r, torch.Tensor) and pl is not None:
+            if any(p != Replicate() for p in pl):
+                raise LoweringError(f"{node.name} ({node.target}) made a plain tensor but the plan shards it")
+    if not isinstance(result, torch.Tensor) or isinstance(result, DTensor):
+        return result
+    return DTensor.from_local(result, mesh, chosen.outputs[0], run_check=False)
+
+
+def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, _ = compute_local_shape_and_global_offset(val.shape, mesh, placements)
+    with fake_mode:
+        return torch.empty(shape, dtype=val.dtype, device=mesh.device_type)
+
+
+def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
+    """Tag nodes the way functorch's partitioner expects: forward = what the model outputs need."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    stack = [a for a in out.args[0][:n_outputs] if isinstance(a, fx.Node)]
+    forward: set = set()
+    while stack:
+        n = stack.pop()
+        if n not in forward:
+            forward.add(n)
+            stack.extend(n.all_input_nodes)
+    anchor = next(n for n in reversed(gm.graph.nodes) if n.op == "placeholder")
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function":
+            n.meta["partitioner_tag"] = "is_forward" if n in forward else "is_backward"
+            n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
+            if n in forward:  # the partitioner splits by position: forward ops must all come first
+                anchor.append(n)
+                anchor = n
+    gm.recompile()
+
+
+LOCAL_RULES = ("autoplan", "fallback")
+
+
+def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int, Placements]) -> LoweredGraph:
+    targets = output_targets(tg, plan, fixed_outputs)
+    placeholders = tg.placeholders
+    in_pl = [plan.nodes[p.name].outputs[0] for p in placeholders]
+    fake_mode = tg.fake_mode
+    local = [_local_fake(p.meta["val"], pl, mesh, fake_mode) for p, pl in zip(placeholders, in_pl)]
+    n_tangents = sum(1 for lab in tg.input_labels if lab[0] == "tangent")
+    n_primals = len(local) - n_tangents
+
+    def joint(primals, tangents):
+        return _interpret(tg, plan, mesh, targets, primals, tangents)
+
+    with fake_mode:
+        gm = make_fx(joint, tracing_mode="real")(local[:n_primals], local[n_primals:])
+    n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
+    _mark_phases(gm, n_outputs)
+    forward, backward = partition_joint(gm, n_outputs)
+    return LoweredGraph(
+        joint=gm,
+        forward=forward,
+        backward=backward,
+        input_labels=list(tg.input_labels),
+        output_labels=list(tg.output_labels),
+        input_placements=in_pl,
+        output_placements=targets,
+        n_outputs=n_outputs,
+        local_shapes=[(tuple(t.shape), tuple(p.meta["val"].shape)) for t, p in zip(local, placeholders)],
+    )

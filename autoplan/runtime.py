@@ -1,0 +1,198 @@
+"""The parallel module: the user's module with DTensor parameters, running the lowered graphs.
+
+Forward and backward run the partitioned per-rank graphs through one ``autograd.Function``: the
+forward graph returns the outputs and the tensors it saves, the backward graph consumes them. The
+module keeps the original class (so ``init_weights`` and friends still work) and the original FQNs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from autoplan.lowering import LoweredGraph
+from autoplan.plan import placements_str
+from autoplan.strategies import Placements
+
+
+@dataclass
+class Executor:
+    """The compiled (or eager) forward and backward graphs and how to feed them."""
+
+    forward: Callable
+    backward: Callable
+    n_outputs: int
+    grad_slots: list[int]  # for each backward output, the forward argument it is the gradient of
+    n_args: int
+    tensor_outputs: list[bool]  # per model output: a tensor that can carry a gradient
+
+
+class _PlanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, executor: Executor, *args):
+        results = executor.forward(*args)
+        outs, saved = results[: executor.n_outputs], results[executor.n_outputs :]
+        ctx.executor = executor
+        ctx.save_for_backward(*saved)
+        for o, diff in zip(outs, executor.tensor_outputs):
+            if isinstance(o, torch.Tensor) and not diff:
+                ctx.mark_non_differentiable(o)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        executor: Executor = ctx.executor
+        tangents = [g for g, diff in zip(grad_outputs, executor.tensor_outputs) if diff]
+        with torch.no_grad():
+            grads = executor.backward(*ctx.saved_tensors, *tangents)
+        out: list = [None] * executor.n_args
+        for slot, g in zip(executor.grad_slots, grads):
+            out[slot] = g
+        return (None, *out)
+
+
+def make_executor(lowered: LoweredGraph, compile_graph: Callable[[fx.GraphModule], Callable] | None = None) -> Executor:
+    n_args = sum(1 for k, _ in lowered.input_labels if k != "tangent")
+    slot_of = {(k, t): i for i, (k, t) in enumerate(lowered.input_labels)}
+    grad_slots = [slot_of[(kind.removeprefix("grad_"), t)] for kind, t in lowered.output_labels[lowered.n_outputs :]]
+    tangents = {t for k, t in lowered.input_labels if k == "tangent"}
+    compile_graph = compile_graph or (lambda gm: gm)
+    return Executor(
+        forward=compile_graph(lowered.forward),
+        backward=compile_graph(lowered.backward),
+        n_outputs=lowered.n_outputs,
+        grad_slots=grad_slots,
+        n_args=n_args,
+        tensor_outputs=[i in tangents for i in range(lowered.n_outputs)],
+    )
+
+
+class ParallelMixin:
+    """Methods mixed into the user's module class for the parallel copy."""
+
+    _autoplan: _State
+
+    def forward(self, *inputs):
+        state = self._autoplan
+        flat, _ = torch.utils._pytree.tree_flatten(inputs)
+        _check_inputs(flat, state)
+        params = [p.to_local() for p in state.params(self)]
+        buffers = [b.to_local() if isinstance(b, DTensor) else b for b in state.buffers(self)]
+        outs = _PlanFunction.apply(state.executor, *params, *buffers, *flat)
+        outs = [state.wrap_output(i, o) for i, o in enumerate(outs)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def init_weights(self, *args, **kwargs):
+        """The model's own ``init_weights``, with plain tensors it mixes in treated as replicated."""
+        with implicit_replication():
+            return super().init_weights(*args, **kwargs)
+
+
+@dataclass
+class _State:
+    mesh: DeviceMesh
+    executor: Executor
+    param_fqns: list[str]
+    buffer_fqns: list[str]
+    input_locals: list[tuple[tuple[int, ...], tuple[int, ...], Placements]]  # (local, global, placements)
+    output_placements: list[Placements | None]
+    output_shapes: list[tuple[torch.Size, tuple[int, ...]] | None]
+    return_dtensor: bool
+
+    def params(self, module: nn.Module) -> list[torch.Tensor]:
+        return [module.get_parameter(f) for f in self.param_fqns]
+
+    def buffers(self, module: nn.Module) -> list[torch.Tensor]:
+        return [module.get_buffer(f) for f in self.buffer_fqns]
+
+    def wrap_output(self, i: int, out):
+        pl = self.output_placements[i]
+        if not self.return_dtensor or pl is None or not isinstance(out, torch.Tensor):
+            return out
+        shape, stride = self.output_shapes[i]
+        return DTensor.from_local(out, self.mesh, pl, run_check=False, shape=shape, stride=stride)
+
+
+def _check_inputs(flat: list, state: _State) -> None:
+    if len(flat) != len(state.input_locals):
+        raise ValueError(f"expected {len(state.input_locals)} inputs, got {len(flat)}")
+    for i, (x, (local, glob, pl)) in enumerate(zip(flat, state.input_locals)):
+        if isinstance(x, torch.Tensor) and tuple(x.shape) != local:
+            raise ValueError(
+                f"input {i} has shape {tuple(x.shape)}, but each rank must pass its local shard of shape {local} "
+                f"(global shape {glob} placed as {placements_str(pl)} on mesh {tuple(state.mesh.shape)})"
+            )
+
+
+def _dtensor_like(t: torch.Tensor, mesh: DeviceMesh, placements: Placements) -> torch.Tensor:
+    """Shard a real tensor onto the mesh, or make a meta DTensor of the right local shape."""
+    if t.device.type == "meta":
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, _ = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        local = torch.empty(local_shape, dtype=t.dtype, device="meta")
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+    return distribute_tensor(t.detach().to(mesh.device_type), mesh, placements)
+
+
+def _distribute_full_state(module, state_dict, prefix, *args):
+    """Load-state-dict pre-hook: full (unsharded) tensors are distributed to the planned placements."""
+    for name, current in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            shards = distribute_tensor(value.to(current.device), current.device_mesh, current.placements)
+            # adopt the shard storage itself: under a simulated world (LocalTensorMode) a local tensor
+            # made by ``to_empty`` outside the simulation is shared by all ranks, so copy_ cannot fill it
+            current._local_tensor = shards._local_tensor.detach()
+            state_dict[key] = shards
+
+
+def build_parallel_module(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    lowered: LoweredGraph,
+    param_placements: dict[str, Placements],
+    buffer_placements: dict[str, Placements],
+    output_shapes: list,
+    executor: Executor,
+    return_dtensor: bool = False,
+) -> nn.Module:
+    memo: dict[int, object] = {}
+    for fqn, p in model.named_parameters():
+        memo[id(p)] = nn.Parameter(_dtensor_like(p, mesh, param_placements[fqn]), requires_grad=p.requires_grad)
+    for fqn, b in model.named_buffers():
+        if fqn in buffer_placements:
+            memo[id(b)] = _dtensor_like(b, mesh, buffer_placements[fqn])
+    pmod = copy.deepcopy(model, memo)
+    cls = type(model)
+    pmod.__class__ = type(f"Parallel{cls.__name__}", (ParallelMixin, cls), {})
+    for m in pmod.modules():
+        m._register_load_state_dict_pre_hook(_distribute_full_state, with_module=True)
+    input_locals = []
+    for (kind, _), pl, local in zip(lowered.input_labels, lowered.input_placements, lowered.local_shapes):
+        if kind == "input":
+            input_locals.append(local + (pl,))
+    object.__setattr__(
+        pmod,
+        "_autoplan",
+        _State(
+            mesh=mesh,
+            executor=executor,
+            param_fqns=[t for k, t in lowered.input_labels if k == "param"],
+            buffer_fqns=[t for k, t in lowered.input_labels if k == "buffer"],
+            input_locals=input_locals,
+            output_placements=lowered.output_placements[: lowered.n_outputs],
+            output_shapes=output_shapes,
+            return_dtensor=return_dtensor,
+        ),
+    )
+    return pmod
