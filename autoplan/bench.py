@@ -89,6 +89,50 @@ def run_plan(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_apply(args: argparse.Namespace) -> dict:
+    """Plan, then time lowering the plan into the per-rank distributed graph (fake process group)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoplan import AutoParallel
+
+    shape = tuple(int(x) for x in args.mesh.lower().split("x"))
+    mesh = _fake_mesh(shape, ("dp", "tp", "cp", "pp")[: len(shape)])
+    model, cfg = _model(args.model, getattr(torch, args.dtype))
+    seq = args.seq or min(8192, cfg.max_seq_len)
+    batch, vocab = args.batch, cfg.vocab_size
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq))) as ap:
+        batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+        ap.add_input_constraints([batch_pl])
+        ap.add_output_constraints([batch_pl])
+        ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
+        plan = ap.optimize_placement()
+        t0 = time.perf_counter()
+        ap.apply_placement(plan)
+        apply_s = time.perf_counter() - t0
+    lowered = ap.lowered
+    result = {
+        "model": args.model,
+        "mesh": list(shape),
+        "apply_s": apply_s,
+        "phases_s": ap.timings,
+        "lowered_nodes": {
+            "joint": len(lowered.joint.graph.nodes),
+            "forward": len(lowered.forward.graph.nodes),
+            "backward": len(lowered.backward.graph.nodes),
+        },
+        "collectives": {
+            "planned": plan.collective_counts(),
+            "forward": lowered.collective_counts(lowered.forward),
+            "backward": lowered.collective_counts(lowered.backward),
+        },
+        "peak_rss_gib": _peak_rss_gib(),
+    }
+    print(f"apply (lower + partition + module): {apply_s:.2f} s   peak RSS {result['peak_rss_gib']:.2f} GiB")
+    print(f"lowered graph nodes: {result['lowered_nodes']}")
+    print(f"collectives: {result['collectives']}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoplan.bench", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -99,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default=None, help="write the numbers to this file")
+    a = sub.add_parser("apply", help="time lowering a plan into the distributed graph on a fake process group")
+    for action in p._actions[1:]:
+        a._add_action(action)
     args = parser.parse_args(argv)
-    result = run_plan(args)
+    result = run_plan(args) if args.cmd == "plan" else run_apply(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -90,10 +90,15 @@ class ParallelMixin:
         outs = [state.wrap_output(i, o) for i, o in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+
+def _replicating(init: Callable) -> Callable:
+    """The model's own initialiser, with the plain tensors it mixes in treated as replicated."""
+
     def init_weights(self, *args, **kwargs):
-        """The model's own ``init_weights``, with plain tensors it mixes in treated as replicated."""
         with implicit_replication():
-            return super().init_weights(*args, **kwargs)
+            return init(self, *args, **kwargs)
+
+    return init_weights
 
 
 @dataclass
@@ -174,9 +179,13 @@ def build_parallel_module(
             memo[id(b)] = _dtensor_like(b, mesh, buffer_placements[fqn])
     pmod = copy.deepcopy(model, memo)
     cls = type(model)
-    pmod.__class__ = type(f"Parallel{cls.__name__}", (ParallelMixin, cls), {})
+    extra = {"init_weights": _replicating(cls.init_weights)} if hasattr(cls, "init_weights") else {}
+    pmod.__class__ = type(f"Parallel{cls.__name__}", (ParallelMixin, cls), extra)
     for m in pmod.modules():
         m._register_load_state_dict_pre_hook(_distribute_full_state, with_module=True)
+        # the traced graph already contains what the hooks did; running them again would redo it
+        m._forward_pre_hooks.clear()
+        m._forward_hooks.clear()
     input_locals = []
     for (kind, _), pl, local in zip(lowered.input_labels, lowered.input_placements, lowered.local_shapes):
         if kind == "input":

@@ -1,10 +1,26 @@
-"""Ground truth: a plan executed on a 2x2 gloo mesh (4 CPU processes) matches single-device numerics."""
+"""Ground truth: plans executed on a 2x2 gloo mesh (4 CPU processes) match single-device numerics.
+
+Each spawn runs several configurations of one model (unconstrained, FSDP pins, TP pins) to pay
+the process start-up once: three AdamW steps, losses and every gradient compared to a
+single-device run with the same weights and inputs, and the lowered collectives counted against
+the plan.
+"""
 
 import pytest
 import torch
 from gloo import run_gloo
+from torch.distributed.tensor import Replicate, Shard
 
-pytestmark = pytest.mark.slow
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+FSDP = [("*weight", (S0, S0))]
+LLAMA_TP = [
+    ("layers.*.attention.w[qkv].weight", (S0, S0)),
+    ("layers.*.attention.wo.weight", (S0, S1)),
+    ("layers.*.feed_forward.w[13].weight", (S0, S0)),
+    ("layers.*.feed_forward.w2.weight", (S0, S1)),
+]
+MLP_TP = [("fc1.weight", (S0, S0)), ("fc2.weight", (S0, S1))]
+STEPS = 3
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -13,59 +29,126 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool(torch.allclose(actual, expected, rtol=1e-5, atol=1e-6)) and rel < 1e-5
 
 
-def loss_scale(local_out: torch.Tensor, mesh) -> int:
-    """Number of elements of the global output (each rank holds a batch shard)."""
-    return local_out.numel() * mesh.size(0)
+def _make(name: str):
+    from models import MLP, TiedLM, WeightNormMLP
 
-
-def _llama_worker(rank: int, pins: list, steps: int) -> dict:
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-
-    from autoplan import AutoParallel
     from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    cfg = LLAMA3_CONFIGS["debug"]
+    if name == "llama":
+        cfg = LLAMA3_CONFIGS["debug"]
+        return (lambda: Transformer(cfg)), (lambda g: torch.randint(0, cfg.vocab_size, (4, 16), generator=g))
+    if name == "tied":
+        return TiedLM, (lambda g: torch.randint(0, 64, (4, 8), generator=g))
+    if name == "mlp":
+        return (lambda: MLP(32, 64, 32)), (lambda g: torch.randn(8, 32, generator=g))
+    if name == "weightnorm":
+        return WeightNormMLP, (lambda g: torch.randn(8, 32, generator=g))
+    raise ValueError(name)
+
+
+def _run_config(mesh, name: str, pins: list, compiled: bool, return_dtensor: bool) -> dict:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import autoplan.compile
+    from autoplan import AutoParallel
+
+    build, batch_fn = _make(name)
     torch.manual_seed(0)
-    ref = Transformer(cfg)
-    ref.init_weights()
-    batches = [
-        torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(s)) for s in range(steps)
-    ]
+    ref = build()
+    batches = [batch_fn(torch.Generator().manual_seed(s)) for s in range(STEPS)]
     with torch.device("meta"):
-        model = Transformer(cfg)
-    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, cfg.vocab_size, (4, 16))) as ap:
-        ap.add_input_constraints([(Shard(0), Replicate())])
-        ap.add_output_constraints([(Shard(0), Replicate())])
+        model = build()
+    io = (S0, R)
+    with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator())) as ap:
+        ap.add_input_constraints([io])
+        ap.add_output_constraints([io])
         for target, placements in pins:
             ap.add_node_constraint(target, placements)
         plan = ap.optimize_placement()
-        pmod = ap.apply_placement(plan)
+        pmod = ap.apply_placement(plan, return_dtensor=return_dtensor)
     pmod.to_empty(device="cpu")
-    pmod.init_weights()
+    if hasattr(pmod, "init_weights"):
+        pmod.init_weights()
     pmod.load_state_dict(ref.state_dict())
+    run = torch.compile(pmod, backend=autoplan.compile.backend()) if compiled else pmod
 
-    out = pmod(distribute_tensor(batches[0], mesh, (Shard(0), Replicate())).to_local())
-    loss = DTensor.from_local(out, mesh, (Shard(0), Replicate()), run_check=False).full_tensor().mean()
-    out.backward(torch.full_like(out, 1 / loss_scale(out, mesh)))
-    ref_loss = ref(batches[0]).mean()
-    ref_loss.backward()
-    grads_ok = {
-        n: _close(p.grad.full_tensor(), dict(ref.named_parameters())[n].grad) for n, p in pmod.named_parameters()
-    }
+    opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, ref_losses, grads_ok = [], [], {}
+    for step, batch in enumerate(batches):
+        out = run(distribute_tensor(batch, mesh, io).to_local())
+        if return_dtensor:
+            assert isinstance(out, DTensor) and out.placements == io
+            loss = out.mean()  # a DTensor loss: backward flows through the sharded output
+            full_loss = loss.full_tensor()
+        else:
+            full_out = DTensor.from_local(out, mesh, io, run_check=False)
+            loss = full_out.mean()
+            full_loss = loss.full_tensor()
+        loss.backward()
+        ref_loss = ref(batch).mean()
+        ref_loss.backward()
+        if step == 0:
+            ref_grads = dict(ref.named_parameters())
+            grads_ok = {n: _close(p.grad.full_tensor(), ref_grads[n].grad) for n, p in pmod.named_parameters()}
+        losses.append(float(full_loss))
+        ref_losses.append(float(ref_loss))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    lowered = ap.lowered
     return {
-        "loss": float(loss),
-        "ref_loss": float(ref_loss),
+        "losses": losses,
+        "ref_losses": ref_losses,
         "grads_ok": grads_ok,
-        "lowered": ap.lowered.collective_counts(),
+        "lowered": lowered.collective_counts(),
+        "forward": lowered.collective_counts(lowered.forward),
+        "backward": lowered.collective_counts(lowered.backward),
         "planned": plan.collective_counts(),
+        "params": {k: str(v) for k, v in plan.param_placements.items()},
     }
 
 
-def test_llama_debug_unconstrained_matches_single_device():
-    results = run_gloo(_llama_worker, 4, [], 1)
-    for r in results:
-        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
-        assert all(r["grads_ok"].values()), [n for n, ok in r["grads_ok"].items() if not ok]
+def _worker(rank: int, name: str, configs: list) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return [_run_config(mesh, name, *config) for config in configs]
+
+
+def _expected_on_cpu(planned: dict) -> dict:
+    """DTensor runs Shard->Shard (all-to-all) on CPU groups as an all-gather plus a local chunk."""
+    counts = {k: v for k, v in planned.items() if k != "local"}
+    moved = counts.pop("all_to_all", 0)
+    if moved:
+        counts["all_gather"] = counts.get("all_gather", 0) + moved
+    return counts
+
+
+def _check(results: list, n_configs: int) -> None:
+    for rank_results in results:
+        assert len(rank_results) == n_configs
+        for r in rank_results:
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+            bad = [n for n, ok in r["grads_ok"].items() if not ok]
+            assert not bad, bad
+            assert r["lowered"] == _expected_on_cpu(r["planned"])
+            fwd, bwd = r["forward"], r["backward"]
+            assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in r["lowered"]} == r["lowered"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_llama_debug(compiled):
+    configs = [([], compiled, False), (FSDP, compiled, False), (LLAMA_TP, compiled, False)]
+    results = run_gloo(_worker, 4, "llama", configs)
+    _check(results, len(configs))
+    sharded = results[0][1]["params"]
+    assert all("Shard(dim=0), Shard(dim=0)" in v for k, v in sharded.items() if k.endswith("weight"))
+
+
+@pytest.mark.parametrize("name", ["mlp", "tied", "weightnorm"])
+def test_small_models(name):
+    pins = MLP_TP if name == "mlp" else []
+    configs = [([], False, False), (FSDP, False, False), (pins, True, False), ([], False, True), ([], True, True)]
+    _check(run_gloo(_worker, 4, name, configs), len(configs))
