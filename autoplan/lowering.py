@@ -182,6 +182,18 @@ def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
 LOCAL_RULES = ("autoplan", "fallback")
 
 
+def run_eagerly(
+    tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int, Placements], primals: list, tangents: list
+) -> list:
+    """Execute the planned joint graph on DTensors, op by op, without tracing: local shards in, local
+    shards out (model outputs and gradients in their planned placements).
+
+    Runs on any world, including ``LocalTensorMode``'s simulated ranks, where a graph traced on one
+    concrete rank cannot run (it bakes that rank's shard offsets in).
+    """
+    return _interpret(tg, plan, mesh, output_targets(tg, plan, fixed_outputs), primals, tangents)
+
+
 def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int, Placements]) -> LoweredGraph:
     targets = output_targets(tg, plan, fixed_outputs)
     placeholders = tg.placeholders
