@@ -21,7 +21,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoplan.adapters.dtensor import redistribute
-from autoplan.adapters.functorch import partition_joint
 from autoplan.plan import Plan, placements_str
 from autoplan.strategies import Placements
 from autoplan.tracing import PHASE_KEY, TracedGraph
@@ -150,6 +149,44 @@ def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict):
     return DTensor.from_local(result, mesh, chosen.outputs[0], run_check=False)
 
 
+def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split the per-rank joint graph at the forward/backward boundary, saving every forward value
+    the backward reads (nothing is recomputed, so every collective runs exactly once).
+
+    Forward: primals -> (model outputs..., saved...). Backward: (saved..., tangents...) -> gradients.
+    """
+    nodes = list(joint.graph.nodes)
+    outputs = list(nodes[-1].args[0])
+    tangents = [n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    constants = [n for n in nodes if n.op == "get_attr"]
+    is_fwd = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
+    # a forward op's tuple is never saved whole: its element reads stay in the forward graph
+    is_fwd |= {n for n in nodes if n.target is operator.getitem and n.args[0] in is_fwd}
+    forward = [n for n in nodes if n in is_fwd or (n.op == "placeholder" and n not in set(tangents))]
+    backward = [n for n in nodes if n.op == "call_function" and n not in is_fwd]
+    in_forward, in_backward = set(forward), set(backward)
+    saved = [n for n in forward if any(u in in_backward for u in n.users)]
+    saved += [o for o in outputs[n_outputs:] if isinstance(o, fx.Node) and o in in_forward and o not in set(saved)]
+
+    fwd = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in constants + forward:
+        env[n] = fwd.node_copy(n, lambda a: env[a])
+    fwd.output([env[o] if isinstance(o, fx.Node) else o for o in outputs[:n_outputs]] + [env[n] for n in saved])
+
+    bwd = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for n in saved:
+        benv[n] = bwd.placeholder(n.name)
+        benv[n].meta = dict(n.meta)
+    for n in tangents + constants + backward:
+        benv[n] = bwd.node_copy(n, lambda a: benv[a])
+    bwd.output([benv[o] if isinstance(o, fx.Node) else o for o in outputs[n_outputs:]])
+    fwd.eliminate_dead_code()
+    bwd.eliminate_dead_code()
+    return fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd)
+
+
 def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -210,7 +247,7 @@ def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int
         gm = make_fx(joint, tracing_mode="real")(local[:n_primals], local[n_primals:])
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(gm, n_outputs)
-    forward, backward = partition_joint(gm, n_outputs)
+    forward, backward = partition(gm, n_outputs)
     return LoweredGraph(
         joint=gm,
         forward=forward,

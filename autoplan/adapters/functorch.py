@@ -16,7 +16,6 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput,
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._functorch.partitioners import default_partition
 
 InputLabel = tuple[str, Any]  # ("param", fqn) | ("buffer", fqn) | ("input", i) | ("tangent", i)
 OutputLabel = tuple[str, Any]  # ("output", i) | ("grad_param", fqn) | ("grad_input", i)
@@ -61,13 +60,3 @@ def export_joint(
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out_labels = [_output_label(d) for d in out_node.meta["desc"]]
     return gm, in_labels, out_labels, joint
-
-
-def partition_joint(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Split a joint graph (``primals_*``, ``tangents_*`` placeholders; nodes tagged ``partitioner_tag``)
-    into forward and backward graphs.
-
-    The forward returns the model outputs then the values saved for backward; the backward takes
-    those saved values then the tangents, and returns the joint graph's gradient outputs.
-    """
-    return default_partition(joint, None, num_fwd_outputs=n_outputs)
