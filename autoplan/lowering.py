@@ -25,6 +25,7 @@ from autoplan.plan import Plan, placements_str
 from autoplan.strategies import Placements
 from autoplan.tracing import PHASE_KEY, TracedGraph
 
+aten = torch.ops.aten
 COLLECTIVES = {
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
@@ -50,6 +51,7 @@ class LoweredGraph:
     output_placements: list[Placements | None]  # per graph output
     n_outputs: int  # model outputs (forward graph's first outputs)
     local_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]  # per placeholder: (local, global)
+    n_segments: int = 0  # distinct node lowerings traced (the rest were copies)
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
         return count_collectives(graph or self.joint)
@@ -166,7 +168,8 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     backward = [n for n in nodes if n.op == "call_function" and n not in is_fwd]
     in_forward, in_backward = set(forward), set(backward)
     saved = [n for n in forward if any(u in in_backward for u in n.users)]
-    saved += [o for o in outputs[n_outputs:] if isinstance(o, fx.Node) and o in in_forward and o not in set(saved)]
+    saved += [o for o in outputs[n_outputs:] if isinstance(o, fx.Node) and o in in_forward]
+    saved = list(dict.fromkeys(saved))
 
     fwd = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -231,20 +234,140 @@ def run_eagerly(
     return _interpret(tg, plan, mesh, output_targets(tg, plan, fixed_outputs), primals, tangents)
 
 
+class _Stitcher:
+    """Builds the per-rank joint graph from traced segments, one segment per distinct node signature.
+
+    Identical layers produce identical segments (same op, shapes, placements), so each is traced
+    through DTensor once and then copied: lowering cost grows with distinct nodes, not with depth.
+    """
+
+    def __init__(self, tg: TracedGraph, plan: Plan, mesh: DeviceMesh):
+        self.tg, self.plan, self.mesh = tg, plan, mesh
+        self.graph = fx.Graph()
+        self.root = torch.nn.Module()
+        self.templates: dict[tuple, fx.GraphModule] = {}
+        self.n_traced = 0
+
+    def placement(self, node: fx.Node) -> Placements:
+        return self.plan.nodes[node.name].outputs[0]
+
+    def local_fake(self, node: fx.Node) -> torch.Tensor:
+        return _local_fake(node.meta["val"], self.placement(node), self.mesh, self.tg.fake_mode)
+
+    def wrap(self, node: fx.Node, local: torch.Tensor) -> DTensor:
+        val = node.meta["val"]
+        return DTensor.from_local(
+            local, self.mesh, self.placement(node), run_check=False, shape=val.shape, stride=val.stride()
+        )
+
+    def segment(self, key: tuple, fn, inputs: list[fx.Node]) -> fx.GraphModule:
+        if key not in self.templates:
+            fakes = [self.local_fake(a) for a in inputs]
+            with self.tg.fake_mode:
+                self.templates[key] = make_fx(fn, tracing_mode="real")(*fakes)
+            self.n_traced += 1
+        return self.templates[key]
+
+    def inline(self, template: fx.GraphModule, args: list[fx.Node]) -> list:
+        env: dict[fx.Node, fx.Node] = {}
+        it = iter(args)
+        for n in template.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(it)
+            elif n.op == "get_attr":
+                name = f"_const{len(self.root._buffers) + len(self.root.__dict__)}"
+                self.root.register_buffer(name, getattr(template, n.target))
+                env[n] = self.graph.get_attr(name)
+                env[n].meta = dict(n.meta)
+            elif n.op == "output":
+                flat, _ = tree_flatten(n.args[0])
+                return [env[a] if isinstance(a, fx.Node) else a for a in flat]
+            else:
+                env[n] = self.graph.node_copy(n, lambda a: env[a])
+        raise LoweringError("segment without output")
+
+    def node_key(self, node: fx.Node, inputs: list[fx.Node]) -> tuple:
+        chosen = self.plan.nodes[node.name]
+        flat, spec = tree_flatten((node.args, node.kwargs))
+        leaves = tuple(("T", inputs.index(a)) if isinstance(a, fx.Node) else ("C", repr(a)) for a in flat)
+        metas = tuple(
+            (tuple(a.meta["val"].shape), tuple(a.meta["val"].stride()), a.meta["val"].dtype, self.placement(a))
+            for a in inputs
+        )
+        return ("op", node.target, str(spec), leaves, metas, chosen.inputs, chosen.outputs, chosen.rule)
+
+    def lower_node(self, node: fx.Node, env: dict) -> list:
+        inputs = list(dict.fromkeys(a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)))
+
+        def seg(*locals_):
+            values = {a: self.wrap(a, t) for a, t in zip(inputs, locals_)}
+            result = _run_node(node, self.plan, self.mesh, values)
+            flat, _ = tree_flatten(result)
+            return [r.to_local() if isinstance(r, DTensor) else r for r in flat]
+
+        template = self.segment(self.node_key(node, inputs), seg, inputs)
+        return self.inline(template, [env[a] for a in inputs])
+
+    def lower_output(self, node: fx.Node, env: dict, target: Placements | None):
+        if target is None or self.placement(node) == tuple(target):
+            return env[node]
+        val = node.meta["val"]
+        key = ("move", tuple(val.shape), tuple(val.stride()), val.dtype, self.placement(node), tuple(target))
+
+        def seg(local):
+            return [redistribute(self.wrap(node, local), target).to_local()]
+
+        return self.inline(self.segment(key, seg, [node]), [env[node]])[0]
+
+    def run(self, targets: list, local: list[torch.Tensor]) -> fx.GraphModule:
+        env: dict[fx.Node, object] = {}
+        locals_ = iter(local)
+        for node in self.tg.gm.graph.nodes:
+            if node.op == "placeholder":
+                ph = self.graph.placeholder(node.name)
+                ph.meta["val"] = next(locals_)
+                env[node] = ph
+            elif node.op == "call_function" and node.target is operator.getitem:
+                env[node] = env[node.args[0]][node.args[1]]
+            elif node.op == "call_function":
+                outs = self.lower_node(node, env)
+                env[node] = outs if isinstance(node.meta["val"], (tuple, list)) else outs[0]
+            elif node.op == "output":
+                results = [
+                    self.lower_output(o, env, t) if isinstance(o, fx.Node) else o for o, t in zip(node.args[0], targets)
+                ]
+                self.graph.output(results)
+        return fx.GraphModule(self.root, self.graph)
+
+
+def _drop_identity_views(gm: fx.GraphModule) -> int:
+    """Remove ``view``/``alias`` ops that keep shape and strides (left by wrapping and unwrapping
+    DTensors at segment borders); in a functional graph they are pure renames."""
+    dropped = 0
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in (aten.view.default, aten.alias.default):
+            src = n.args[0]
+            a, b = src.meta.get("val"), n.meta.get("val")
+            if (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.shape == b.shape
+                and a.stride() == b.stride()
+            ):
+                n.replace_all_uses_with(src)
+                gm.graph.erase_node(n)
+                dropped += 1
+    return dropped
+
+
 def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int, Placements]) -> LoweredGraph:
     targets = output_targets(tg, plan, fixed_outputs)
     placeholders = tg.placeholders
     in_pl = [plan.nodes[p.name].outputs[0] for p in placeholders]
-    fake_mode = tg.fake_mode
-    local = [_local_fake(p.meta["val"], pl, mesh, fake_mode) for p, pl in zip(placeholders, in_pl)]
-    n_tangents = sum(1 for lab in tg.input_labels if lab[0] == "tangent")
-    n_primals = len(local) - n_tangents
-
-    def joint(primals, tangents):
-        return _interpret(tg, plan, mesh, targets, primals, tangents)
-
-    with fake_mode:
-        gm = make_fx(joint, tracing_mode="real")(local[:n_primals], local[n_primals:])
+    local = [_local_fake(p.meta["val"], pl, mesh, tg.fake_mode) for p, pl in zip(placeholders, in_pl)]
+    stitcher = _Stitcher(tg, plan, mesh)
+    gm = stitcher.run(targets, local)
+    _drop_identity_views(gm)
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(gm, n_outputs)
     forward, backward = partition(gm, n_outputs)
@@ -258,4 +381,5 @@ def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int
         output_placements=targets,
         n_outputs=n_outputs,
         local_shapes=[(tuple(t.shape), tuple(p.meta["val"].shape)) for t, p in zip(local, placeholders)],
+        n_segments=stitcher.n_traced,
     )
