@@ -152,3 +152,40 @@ def test_small_models(name):
     pins = MLP_TP if name == "mlp" else []
     configs = [([], False, False), (FSDP, False, False), (pins, True, False), ([], False, True), ([], True, True)]
     _check(run_gloo(_worker, 4, name, configs), len(configs))
+
+
+def _checkpoint_worker(rank: int, path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+    from models import MLP
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from autoplan import AutoParallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = MLP(32, 64, 32)
+    with torch.device("meta"):
+        model = MLP(32, 64, 32)
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randn(8, 32)) as ap:
+        ap.add_input_constraints([(S0, R)])
+        ap.add_memory_constraint(param_fraction=1 / 4)
+        plan = ap.optimize_placement()
+        saved, restored = ap.apply_placement(plan), ap.apply_placement(plan)
+    saved.to_empty(device="cpu")
+    saved.load_state_dict(ref.state_dict())
+    restored.to_empty(device="cpu")
+    state = saved.state_dict()
+    assert all(isinstance(v, DTensor) for v in state.values())
+    dcp.save(state, checkpoint_id=path)
+    target = restored.state_dict()
+    dcp.load(target, checkpoint_id=path)
+    restored.load_state_dict(target)
+    return all(
+        torch.equal(p.full_tensor(), q.full_tensor()) and p.placements == q.placements
+        for p, q in zip(saved.parameters(), restored.parameters())
+    ) and any(isinstance(pl, Shard) for p in saved.parameters() for pl in p.placements)
+
+
+def test_distributed_checkpoint_round_trip(tmp_path):
+    assert all(run_gloo(_checkpoint_worker, 4, str(tmp_path / "ckpt")))
