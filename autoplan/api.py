@@ -226,16 +226,19 @@ class AutoParallel:
         group = f"memory constraint: parameter bytes per device <= {self._param_budget:.6g}"
         return [BudgetRow(group, tuple(coeffs.items()), self._param_budget)]
 
-    def apply_placement(self, plan: Plan, *, return_dtensor: bool = False) -> nn.Module:
+    def apply_placement(
+        self, plan: Plan, *, return_dtensor: bool = False, reshard_after_forward: bool = True
+    ) -> nn.Module:
         """The parallel module for ``plan``: DTensor parameters, the lowered graphs in forward/backward.
 
         Each rank passes its local shard of every input and gets local outputs (DTensors with
         ``return_dtensor``). A meta model is materialised with ``to_empty`` + ``init_weights()`` or
-        ``load_state_dict`` of a full state dict.
+        ``load_state_dict`` of a full state dict. With ``reshard_after_forward`` (FSDP's contract) the
+        backward re-gathers sharded parameters instead of keeping the gathered copies.
         """
         tg = self._require_traced()
         t0 = time.perf_counter()
-        lowered = lower(tg, plan, self.mesh, self._outputs)
+        lowered = lower(tg, plan, self.mesh, self._outputs, reshard_after_forward)
         executor = make_executor(lowered)
         buffers = {fqn: plan.nodes[n.name].outputs[0] for fqn, n in tg.placeholder_for("buffer").items()}
         outputs = [

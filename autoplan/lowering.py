@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoplan.adapters.dtensor import redistribute
+from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.plan import Plan, placements_str
 from autoplan.strategies import Placements
 from autoplan.tracing import PHASE_KEY, TracedGraph
@@ -52,6 +53,7 @@ class LoweredGraph:
     n_outputs: int  # model outputs (forward graph's first outputs)
     local_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]  # per placeholder: (local, global)
     n_segments: int = 0  # distinct node lowerings traced (the rest were copies)
+    recompute: RecomputeStats = RecomputeStats(0, 0)
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
         return count_collectives(graph or self.joint)
@@ -152,8 +154,11 @@ def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict):
 
 
 def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Split the per-rank joint graph at the forward/backward boundary, saving every forward value
-    the backward reads (nothing is recomputed, so every collective runs exactly once).
+    """Split the per-rank joint graph at the forward/backward boundary.
+
+    The backward reads saved forward values, except chains tagged must-recompute (FSDP parameter
+    gathers), which it runs again from their saved inputs. Nothing else is recomputed, so every
+    other collective runs exactly once.
 
     Forward: primals -> (model outputs..., saved...). Backward: (saved..., tangents...) -> gradients.
     """
@@ -166,9 +171,11 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     is_fwd |= {n for n in nodes if n.target is operator.getitem and n.args[0] in is_fwd}
     forward = [n for n in nodes if n in is_fwd or (n.op == "placeholder" and n not in set(tangents))]
     backward = [n for n in nodes if n.op == "call_function" and n not in is_fwd]
-    in_forward, in_backward = set(forward), set(backward)
-    saved = [n for n in forward if any(u in in_backward for u in n.users)]
-    saved += [o for o in outputs[n_outputs:] if isinstance(o, fx.Node) and o in in_forward]
+    in_backward = set(backward)
+    recompute = _recompute_closure(forward, in_backward, outputs[n_outputs:])
+    readers = in_backward | set(recompute)
+    saved = [n for n in forward if n not in recompute and any(u in readers for u in n.users)]
+    saved += [o for o in outputs[n_outputs:] if isinstance(o, fx.Node) and o in set(forward) and o not in recompute]
     saved = list(dict.fromkeys(saved))
 
     fwd = fx.Graph()
@@ -182,12 +189,26 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     for n in saved:
         benv[n] = bwd.placeholder(n.name)
         benv[n].meta = dict(n.meta)
-    for n in tangents + constants + backward:
+    for n in tangents + constants + recompute + backward:
         benv[n] = bwd.node_copy(n, lambda a: benv[a])
     bwd.output([benv[o] if isinstance(o, fx.Node) else o for o in outputs[n_outputs:]])
     fwd.eliminate_dead_code()
     bwd.eliminate_dead_code()
     return fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd)
+
+
+def _recompute_closure(forward: list[fx.Node], backward: set[fx.Node], grads: list) -> list[fx.Node]:
+    """Tagged forward nodes the backward needs, with the tagged nodes they depend on, in graph order."""
+    tagged = {n for n in forward if n.meta.get(RECOMPUTE_KEY)}
+    need: set[fx.Node] = set()
+    stack = [a for n in backward for a in n.all_input_nodes if a in tagged]
+    stack += [g for g in grads if isinstance(g, fx.Node) and g in tagged]
+    while stack:
+        n = stack.pop()
+        if n not in need:
+            need.add(n)
+            stack.extend(a for a in n.all_input_nodes if a in tagged)
+    return [n for n in forward if n in need]
 
 
 def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
@@ -360,7 +381,13 @@ def _drop_identity_views(gm: fx.GraphModule) -> int:
     return dropped
 
 
-def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int, Placements]) -> LoweredGraph:
+def lower(
+    tg: TracedGraph,
+    plan: Plan,
+    mesh: DeviceMesh,
+    fixed_outputs: dict[int, Placements],
+    reshard_after_forward: bool = True,
+) -> LoweredGraph:
     targets = output_targets(tg, plan, fixed_outputs)
     placeholders = tg.placeholders
     in_pl = [plan.nodes[p.name].outputs[0] for p in placeholders]
@@ -370,6 +397,8 @@ def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int
     _drop_identity_views(gm)
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(gm, n_outputs)
+    params = {n for n, (kind, _) in zip(gm.graph.find_nodes(op="placeholder"), tg.input_labels) if kind == "param"}
+    recompute = tag_parameter_gathers(gm, params) if reshard_after_forward else RecomputeStats(0, 0)
     forward, backward = partition(gm, n_outputs)
     return LoweredGraph(
         joint=gm,
@@ -382,4 +411,5 @@ def lower(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int
         n_outputs=n_outputs,
         local_shapes=[(tuple(t.shape), tuple(p.meta["val"].shape)) for t, p in zip(local, placeholders)],
         n_segments=stitcher.n_traced,
+        recompute=recompute,
     )

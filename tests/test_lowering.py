@@ -8,6 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoplan import AutoParallel
 from autoplan.lowering import count_collectives
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
 
 R, S0 = Replicate(), Shard(0)
 
@@ -24,7 +25,11 @@ def lowered_llama():
         ap.add_memory_constraint(param_fraction=1 / 8)
         plan = ap.optimize_placement()
         pmod = ap.apply_placement(plan)
-    return plan, ap.lowered, pmod
+    return plan, ap.lowered, pmod, ap
+
+
+def _gathers(n) -> bool:
+    return getattr(n.target, "_opname", "") == "all_gather_into_tensor"
 
 
 def expected_on_cpu(planned: dict) -> dict:
@@ -37,11 +42,14 @@ def expected_on_cpu(planned: dict) -> dict:
 
 
 def test_lowered_collectives_are_exactly_the_planned_ones(lowered_llama):
-    plan, lowered, _ = lowered_llama
+    plan, lowered, _, _ = lowered_llama
     assert lowered.collective_counts() == expected_on_cpu(plan.collective_counts())
     fwd, bwd = count_collectives(lowered.forward), count_collectives(lowered.backward)
-    # partitioning neither drops nor re-runs a collective
-    assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in lowered.collective_counts()} == lowered.collective_counts()
+    # partitioning drops nothing and re-runs only the parameter gathers tagged for recompute
+    regathers = sum(1 for n in lowered.backward.graph.nodes if n.meta.get(RECOMPUTE_KEY) and _gathers(n))
+    joint = lowered.collective_counts()
+    expected = {k: v + (regathers if k == "all_gather" else 0) for k, v in joint.items()}
+    assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in joint} == expected
     # every gradient arrives in its parameter's (sharded) placement through reduce-scatters: the
     # plan has no all-reduce of a gradient, so the graph has no extra one either
     grad_moves = [r for r in plan.redistributions if r.consumer.startswith("grad:")]
@@ -50,7 +58,7 @@ def test_lowered_collectives_are_exactly_the_planned_ones(lowered_llama):
 
 
 def test_graphs_have_local_shapes(lowered_llama):
-    plan, lowered, _ = lowered_llama
+    plan, lowered, _, _ = lowered_llama
     params = {n.name: n for n in lowered.joint.graph.nodes if n.op == "placeholder"}
     wq = next(p for p in params.values() if tuple(p.meta["val"].shape) != (64, 64) and p.meta["val"].ndim == 2)
     assert wq.meta["val"].numel() < 64 * 64  # a sharded parameter arrives as its shard
@@ -60,7 +68,7 @@ def test_graphs_have_local_shapes(lowered_llama):
 
 
 def test_parallel_module_keeps_fqns_and_dtensor_params(lowered_llama):
-    plan, _, pmod = lowered_llama
+    plan, _, pmod, _ = lowered_llama
     from torch.distributed.tensor import DTensor
 
     names = dict(pmod.named_parameters())
@@ -71,6 +79,58 @@ def test_parallel_module_keeps_fqns_and_dtensor_params(lowered_llama):
 
 
 def test_wrong_input_shape_names_the_input_and_shapes(lowered_llama):
-    _, _, pmod = lowered_llama
+    _, _, pmod, _ = lowered_llama
     with pytest.raises(ValueError, match=r"input 0 has shape \(8, 16\).*local shard of shape \(4, 16\).*global"):
         pmod(torch.zeros(8, 16, dtype=torch.long))
+
+
+def _unsharded_parameter(node, params) -> bool:
+    """Is ``node`` a gathered parameter: a parameter through gathers, waits and layout ops only?"""
+    layout = ("view", "_unsafe_view", "t", "transpose", "permute", "split", "getitem", "cat", "clone", "_to_copy")
+    seen_gather = False
+    stack, visited = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in visited:
+            continue
+        visited.add(n)
+        if n in params:
+            continue
+        name = getattr(n.target, "_opname", getattr(n.target, "__name__", ""))
+        if name in ("all_gather_into_tensor", "wait_tensor"):
+            seen_gather |= name == "all_gather_into_tensor"
+        elif n.op != "call_function" or name not in layout:
+            return False
+        stack.extend(n.all_input_nodes)
+    return seen_gather
+
+
+def _saved_gathered_params(lowered) -> list:
+    joint_nodes = {n.name: n for n in lowered.joint.graph.nodes}
+    params = {
+        n
+        for n, (kind, _) in zip(lowered.joint.graph.find_nodes(op="placeholder"), lowered.input_labels)
+        if kind == "param"
+    }
+    out = next(n for n in lowered.forward.graph.nodes if n.op == "output")
+    saved = [a for a in out.args[0][lowered.n_outputs :] if isinstance(a, torch.fx.Node)]
+    return [a.name for a in saved if _unsharded_parameter(joint_nodes[a.name], params)]
+
+
+def test_fsdp_plan_saves_no_gathered_parameter_for_backward(lowered_llama):
+    plan, lowered, _, _ = lowered_llama
+    assert lowered.recompute.chains > 0
+    assert _saved_gathered_params(lowered) == []
+    # the backward re-gathers them instead: it has more all-gathers than the plan's backward alone
+    assert count_collectives(lowered.backward)["all_gather"] > sum(
+        1 for r in plan.redistributions if r.phase == "backward" for k, _ in r.collectives if k == "all_gather"
+    )
+
+
+def test_keeping_gathered_parameters_saves_them(lowered_llama):
+    plan, _, _, ap = lowered_llama
+    # same plan, reshard_after_forward=False: the gathered weights are saved (so the check above can fail)
+    ap.apply_placement(plan, reshard_after_forward=False)
+    kept = ap.lowered
+    assert kept.recompute.chains == 0
+    assert _saved_gathered_params(kept)

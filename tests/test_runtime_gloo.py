@@ -46,7 +46,7 @@ def _make(name: str):
     raise ValueError(name)
 
 
-def _run_config(mesh, name: str, pins: list, compiled: bool, return_dtensor: bool) -> dict:
+def _run_config(mesh, name: str, pins: list, compiled: bool, return_dtensor: bool, reshard: bool = True) -> dict:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     import autoplan.compile
@@ -65,7 +65,7 @@ def _run_config(mesh, name: str, pins: list, compiled: bool, return_dtensor: boo
         for target, placements in pins:
             ap.add_node_constraint(target, placements)
         plan = ap.optimize_placement()
-        pmod = ap.apply_placement(plan, return_dtensor=return_dtensor)
+        pmod = ap.apply_placement(plan, return_dtensor=return_dtensor, reshard_after_forward=reshard)
     pmod.to_empty(device="cpu")
     if hasattr(pmod, "init_weights"):
         pmod.init_weights()
@@ -107,6 +107,11 @@ def _run_config(mesh, name: str, pins: list, compiled: bool, return_dtensor: boo
         "backward": lowered.collective_counts(lowered.backward),
         "planned": plan.collective_counts(),
         "params": {k: str(v) for k, v in plan.param_placements.items()},
+        "regathers": sum(
+            1
+            for n in lowered.backward.graph.nodes
+            if n.meta.get("autoplan_recompute") and getattr(n.target, "_opname", "") == "all_gather_into_tensor"
+        ),
     }
 
 
@@ -135,14 +140,18 @@ def _check(results: list, n_configs: int) -> None:
             assert not bad, bad
             assert r["lowered"] == _expected_on_cpu(r["planned"])
             fwd, bwd = r["forward"], r["backward"]
-            assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in r["lowered"]} == r["lowered"]
+            expected = {k: v + (r["regathers"] if k == "all_gather" else 0) for k, v in r["lowered"].items()}
+            assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in r["lowered"]} == expected
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
 def test_llama_debug(compiled):
     configs = [([], compiled, False), (FSDP, compiled, False), (LLAMA_TP, compiled, False)]
+    if not compiled:  # FSDP keeping its gathered weights (reshard_after_forward=False) computes the same
+        configs.append((FSDP, compiled, False, False))
     results = run_gloo(_worker, 4, "llama", configs)
     _check(results, len(configs))
+    assert results[0][1]["regathers"] > 0 and (compiled or results[0][3]["regathers"] == 0)
     sharded = results[0][1]["params"]
     assert all("Shard(dim=0), Shard(dim=0)" in v for k, v in sharded.items() if k.endswith("weight"))
 

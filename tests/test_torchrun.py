@@ -9,7 +9,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_torchrun_training_example():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", str(ROOT / "examples/train_llama3_debug.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        str(ROOT / "examples/train_llama3_debug.py"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+: local loss ([0-9.]+)", done.stdout)]
