@@ -227,18 +227,24 @@ class AutoParallel:
         return [BudgetRow(group, tuple(coeffs.items()), self._param_budget)]
 
     def apply_placement(
-        self, plan: Plan, *, return_dtensor: bool = False, reshard_after_forward: bool = True
+        self,
+        plan: Plan,
+        *,
+        return_dtensor: bool = False,
+        reshard_after_forward: bool = True,
+        fuse_gathers: bool = True,
     ) -> nn.Module:
         """The parallel module for ``plan``: DTensor parameters, the lowered graphs in forward/backward.
 
         Each rank passes its local shard of every input and gets local outputs (DTensors with
         ``return_dtensor``). A meta model is materialised with ``to_empty`` + ``init_weights()`` or
         ``load_state_dict`` of a full state dict. With ``reshard_after_forward`` (FSDP's contract) the
-        backward re-gathers sharded parameters instead of keeping the gathered copies.
+        backward re-gathers sharded parameters instead of keeping the gathered copies; with
+        ``fuse_gathers`` chained per-mesh-dim all-gathers become one over the flattened mesh.
         """
         tg = self._require_traced()
         t0 = time.perf_counter()
-        lowered = lower(tg, plan, self.mesh, self._outputs, reshard_after_forward)
+        lowered = lower(tg, plan, self.mesh, self._outputs, reshard_after_forward, fuse_gathers)
         executor = make_executor(lowered)
         buffers = {fqn: plan.nodes[n.name].outputs[0] for fqn, n in tg.placeholder_for("buffer").items()}
         outputs = [

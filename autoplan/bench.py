@@ -125,8 +125,15 @@ def run_apply(args: argparse.Namespace) -> dict:
             "forward": lowered.collective_counts(lowered.forward),
             "backward": lowered.collective_counts(lowered.backward),
         },
+        "passes": {
+            "gather_chains_fused": lowered.gather_fusion.fused,
+            "gather_chains_rejected": lowered.gather_fusion.rejected,
+            "recompute_chains_tagged": lowered.recompute.chains,
+            "recompute_nodes_tagged": lowered.recompute.nodes,
+        },
         "peak_rss_gib": _peak_rss_gib(),
     }
+    print(f"passes: {result['passes']}")
     print(f"apply (lower + partition + module): {apply_s:.2f} s   peak RSS {result['peak_rss_gib']:.2f} GiB")
     print(f"lowered graph nodes: {result['lowered_nodes']}")
     print(f"collectives: {result['collectives']}")

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoplan.adapters.dtensor import redistribute
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
+from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.plan import Plan, placements_str
 from autoplan.strategies import Placements
 from autoplan.tracing import PHASE_KEY, TracedGraph
@@ -54,6 +55,7 @@ class LoweredGraph:
     local_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]  # per placeholder: (local, global)
     n_segments: int = 0  # distinct node lowerings traced (the rest were copies)
     recompute: RecomputeStats = RecomputeStats(0, 0)
+    gather_fusion: FusionStats = FusionStats(0, 0)
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
         return count_collectives(graph or self.joint)
@@ -169,13 +171,15 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     is_fwd = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
     # a forward op's tuple is never saved whole: its element reads stay in the forward graph
     is_fwd |= {n for n in nodes if n.target is operator.getitem and n.args[0] in is_fwd}
-    forward = [n for n in nodes if n in is_fwd or (n.op == "placeholder" and n not in set(tangents))]
+    not_tangent = set(nodes) - set(tangents)
+    forward = [n for n in nodes if n in is_fwd or (n.op == "placeholder" and n in not_tangent)]
     backward = [n for n in nodes if n.op == "call_function" and n not in is_fwd]
     in_backward = set(backward)
     recompute = _recompute_closure(forward, in_backward, outputs[n_outputs:])
-    readers = in_backward | set(recompute)
-    saved = [n for n in forward if n not in recompute and any(u in readers for u in n.users)]
-    saved += [o for o in outputs[n_outputs:] if isinstance(o, fx.Node) and o in set(forward) and o not in recompute]
+    rerun, in_forward = set(recompute), set(forward)
+    readers = in_backward | rerun
+    saved = [n for n in forward if n not in rerun and any(u in readers for u in n.users)]
+    saved += [o for o in outputs[n_outputs:] if isinstance(o, fx.Node) and o in in_forward and o not in rerun]
     saved = list(dict.fromkeys(saved))
 
     fwd = fx.Graph()
@@ -387,6 +391,7 @@ def lower(
     mesh: DeviceMesh,
     fixed_outputs: dict[int, Placements],
     reshard_after_forward: bool = True,
+    fuse_gathers: bool = True,
 ) -> LoweredGraph:
     targets = output_targets(tg, plan, fixed_outputs)
     placeholders = tg.placeholders
@@ -397,6 +402,7 @@ def lower(
     _drop_identity_views(gm)
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(gm, n_outputs)
+    fusion = fuse_gather_chains(gm, mesh) if fuse_gathers else FusionStats(0, 0)
     params = {n for n, (kind, _) in zip(gm.graph.find_nodes(op="placeholder"), tg.input_labels) if kind == "param"}
     recompute = tag_parameter_gathers(gm, params) if reshard_after_forward else RecomputeStats(0, 0)
     forward, backward = partition(gm, n_outputs)
@@ -412,4 +418,5 @@ def lower(
         local_shapes=[(tuple(t.shape), tuple(p.meta["val"].shape)) for t, p in zip(local, placeholders)],
         n_segments=stitcher.n_traced,
         recompute=recompute,
+        gather_fusion=fusion,
     )

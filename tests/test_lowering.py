@@ -43,7 +43,9 @@ def expected_on_cpu(planned: dict) -> dict:
 
 def test_lowered_collectives_are_exactly_the_planned_ones(lowered_llama):
     plan, lowered, _, _ = lowered_llama
-    assert lowered.collective_counts() == expected_on_cpu(plan.collective_counts())
+    planned = expected_on_cpu(plan.collective_counts())
+    planned["all_gather"] -= lowered.gather_fusion.fused  # each fused chain: two gathers became one
+    assert lowered.collective_counts() == planned
     fwd, bwd = count_collectives(lowered.forward), count_collectives(lowered.backward)
     # partitioning drops nothing and re-runs only the parameter gathers tagged for recompute
     regathers = sum(1 for n in lowered.backward.graph.nodes if n.meta.get(RECOMPUTE_KEY) and _gathers(n))

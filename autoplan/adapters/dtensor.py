@@ -176,3 +176,12 @@ def redistribute(value: DTensor, placements: Placements) -> DTensor:
     with disable_redistribute_transform_optimization():
         local = redistribute_local_tensor(value._local_tensor, src, dst)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
+
+
+def flattened_group_name(mesh: DeviceMesh) -> str:
+    """Process group over all of ``mesh``'s ranks in row-major order (created on first use, on every rank)."""
+    if mesh.mesh_dim_names:
+        return mesh._flatten().get_group().group_name
+    import torch.distributed as dist
+
+    return dist.new_group(ranks=mesh.mesh.flatten().tolist()).group_name

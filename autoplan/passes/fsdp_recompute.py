@@ -89,4 +89,3 @@ def tag_parameter_gathers(gm: fx.GraphModule, params: set[fx.Node]) -> Recompute
     for node in tagged:
         node.meta[RECOMPUTE_KEY] = True
     return RecomputeStats(chains=chains, nodes=len(tagged))
-
