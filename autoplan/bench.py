@@ -42,24 +42,30 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def run_plan(args: argparse.Namespace) -> dict:
+def _planned(args: argparse.Namespace):
+    """Plan the benchmark model on a fake mesh: batch-sharded I/O, parameters split over every rank."""
     from torch.distributed.tensor import Replicate, Shard
 
     from autoplan import AutoParallel
 
     shape = tuple(int(x) for x in args.mesh.lower().split("x"))
-    names = ("dp", "tp", "cp", "pp")[: len(shape)]
-    mesh = _fake_mesh(shape, names)
+    mesh = _fake_mesh(shape, ("dp", "tp", "cp", "pp")[: len(shape)])
     model, cfg = _model(args.model, getattr(torch, args.dtype))
     seq = args.seq or min(8192, cfg.max_seq_len)
     batch, vocab = args.batch, cfg.vocab_size
-    t0 = time.perf_counter()
-    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq))) as ap:
+    ap = AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)))
+    with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
         ap.add_input_constraints([batch_pl])
         ap.add_output_constraints([batch_pl])
         ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
         plan = ap.optimize_placement()
+    return ap, plan, shape, batch, seq
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    _, plan, shape, batch, seq = _planned(args)
     wall = time.perf_counter() - t0
     result = {
         "model": args.model,
@@ -91,24 +97,10 @@ def run_plan(args: argparse.Namespace) -> dict:
 
 def run_apply(args: argparse.Namespace) -> dict:
     """Plan, then time lowering the plan into the per-rank distributed graph (fake process group)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    from autoplan import AutoParallel
-
-    shape = tuple(int(x) for x in args.mesh.lower().split("x"))
-    mesh = _fake_mesh(shape, ("dp", "tp", "cp", "pp")[: len(shape)])
-    model, cfg = _model(args.model, getattr(torch, args.dtype))
-    seq = args.seq or min(8192, cfg.max_seq_len)
-    batch, vocab = args.batch, cfg.vocab_size
-    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq))) as ap:
-        batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
-        ap.add_input_constraints([batch_pl])
-        ap.add_output_constraints([batch_pl])
-        ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
-        plan = ap.optimize_placement()
-        t0 = time.perf_counter()
-        ap.apply_placement(plan)
-        apply_s = time.perf_counter() - t0
+    ap, plan, shape, _, _ = _planned(args)
+    t0 = time.perf_counter()
+    ap.apply_placement(plan)
+    apply_s = time.perf_counter() - t0
     lowered = ap.lowered
     result = {
         "model": args.model,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import fake_mesh
+from conftest import expected_on_cpu, fake_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
@@ -30,15 +30,6 @@ def lowered_llama():
 
 def _gathers(n) -> bool:
     return getattr(n.target, "_opname", "") == "all_gather_into_tensor"
-
-
-def expected_on_cpu(planned: dict) -> dict:
-    """DTensor runs Shard->Shard (all-to-all) on CPU groups as an all-gather plus a local chunk."""
-    counts = {k: v for k, v in planned.items() if k != "local"}
-    moved = counts.pop("all_to_all", 0)
-    if moved:
-        counts["all_gather"] = counts.get("all_gather", 0) + moved
-    return counts
 
 
 def test_lowered_collectives_are_exactly_the_planned_ones(lowered_llama):

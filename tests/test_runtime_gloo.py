@@ -8,6 +8,7 @@ the plan.
 
 import pytest
 import torch
+from conftest import expected_on_cpu
 from gloo import run_gloo
 from torch.distributed.tensor import Replicate, Shard
 
@@ -123,15 +124,6 @@ def _worker(rank: int, name: str, configs: list) -> list:
     return [_run_config(mesh, name, *config) for config in configs]
 
 
-def _expected_on_cpu(planned: dict) -> dict:
-    """DTensor runs Shard->Shard (all-to-all) on CPU groups as an all-gather plus a local chunk."""
-    counts = {k: v for k, v in planned.items() if k != "local"}
-    moved = counts.pop("all_to_all", 0)
-    if moved:
-        counts["all_gather"] = counts.get("all_gather", 0) + moved
-    return counts
-
-
 def _check(results: list, n_configs: int) -> None:
     for rank_results in results:
         assert len(rank_results) == n_configs
@@ -139,7 +131,7 @@ def _check(results: list, n_configs: int) -> None:
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
             bad = [n for n, ok in r["grads_ok"].items() if not ok]
             assert not bad, bad
-            planned = _expected_on_cpu(r["planned"])
+            planned = expected_on_cpu(r["planned"])
             if r["fused"]:
                 planned["all_gather"] -= r["fused"]
             assert r["lowered"] == planned
