@@ -44,6 +44,12 @@ def _unsplittable(val: torch.Tensor, placements: Placements, mesh_shape: Sequenc
     )
 
 
+def _executed_collectives(lowered) -> dict[str, int]:
+    """Collectives a step runs: forward plus backward graphs (so FSDP re-gathers count)."""
+    fwd, bwd = lowered.collective_counts(lowered.forward), lowered.collective_counts(lowered.backward)
+    return {k: fwd.get(k, 0) + bwd.get(k, 0) for k in sorted({*fwd, *bwd})}
+
+
 class AutoParallel:
     """Plan how to split a training step of ``model`` over ``mesh``.
 
@@ -256,6 +262,13 @@ class AutoParallel:
         )
         self.timings["apply"] = time.perf_counter() - t0
         self.lowered = lowered
+        plan.passes = {
+            "gather_chains_fused": lowered.gather_fusion.fused,
+            "gather_chains_rejected": lowered.gather_fusion.rejected,
+            "recompute_chains_tagged": lowered.recompute.chains,
+            "recompute_nodes_tagged": lowered.recompute.nodes,
+            **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
+        }
         return pmod
 
     def optimize_placement(self) -> Plan:

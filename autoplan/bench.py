@@ -117,12 +117,7 @@ def run_apply(args: argparse.Namespace) -> dict:
             "forward": lowered.collective_counts(lowered.forward),
             "backward": lowered.collective_counts(lowered.backward),
         },
-        "passes": {
-            "gather_chains_fused": lowered.gather_fusion.fused,
-            "gather_chains_rejected": lowered.gather_fusion.rejected,
-            "recompute_chains_tagged": lowered.recompute.chains,
-            "recompute_nodes_tagged": lowered.recompute.nodes,
-        },
+        "passes": plan.passes,
         "peak_rss_gib": _peak_rss_gib(),
     }
     print(f"passes: {result['passes']}")

@@ -108,6 +108,7 @@ class Plan:
     ilp: dict
     timings: dict[str, float]
     layer_classes: list[list[str]] = field(default_factory=list)
+    passes: dict[str, int] = field(default_factory=dict)  # what the post-solve passes did when applied
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -151,6 +152,8 @@ class Plan:
             f" solver {self.solver.get('backend')} {self.solver.get('status')}, gap {self.solver.get('gap')}",
             "planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
+        if self.passes:
+            lines.append("passes: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.passes.items()))
         return "\n".join(lines)
 
     def _mesh_label(self) -> str:
@@ -200,6 +203,7 @@ class Plan:
             ilp=d["ilp"],
             timings=d["timings"],
             layer_classes=d["layer_classes"],
+            passes=d.get("passes", {}),
         )
 
     @classmethod

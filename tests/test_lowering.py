@@ -127,3 +127,12 @@ def test_keeping_gathered_parameters_saves_them(lowered_llama):
     kept = ap.lowered
     assert kept.recompute.chains == 0
     assert _saved_gathered_params(kept)
+
+
+def test_pass_counts_reach_the_plan_report(lowered_llama):
+    plan, _, _, ap = lowered_llama
+    ap.apply_placement(plan)  # other tests re-apply with passes off; report the default run
+    assert plan.passes["recompute_chains_tagged"] == ap.lowered.recompute.chains > 0
+    assert plan.passes["gather_chains_fused"] == ap.lowered.gather_fusion.fused
+    assert "passes: " in plan.summary() and "recompute chains tagged" in plan.summary()
+    assert type(plan).from_json(plan.to_json()).passes == plan.passes
