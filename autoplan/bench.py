@@ -52,7 +52,7 @@ def _planned(args: argparse.Namespace):
     mesh = _fake_mesh(shape, ("dp", "tp", "cp", "pp")[: len(shape)])
     model, cfg = _model(args.model, getattr(torch, args.dtype))
     seq = args.seq or min(8192, cfg.max_seq_len)
-    batch, vocab = args.batch, cfg.vocab_size
+    batch, vocab = args.batch or max(32, shape[0]), cfg.vocab_size  # the batch must split over dp
     ap = AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)))
     with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="time model -> Plan on a fake process group")
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--mesh", default="16x8")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: max(32, dp size))")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default=None, help="write the numbers to this file")
