@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch.distributed.tensor.placement_types import Placement
 
@@ -23,22 +22,3 @@ class Pin:
 
     target: str
     placements: Placements
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """Per-device bytes allowed for parameters (gradients and optimizer state scale with them)."""
-
-    param_bytes: float
-
-
-@dataclass(frozen=True)
-class Constraints:
-    inputs: tuple[tuple[int, Placements], ...] = ()
-    outputs: tuple[tuple[int, Placements], ...] = ()
-    pins: tuple[Pin, ...] = field(default=())
-    memory: MemoryBudget | None = None
-
-
-def matches(pattern: str, name: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -81,7 +81,6 @@ class PlacementProblem:
     root: dict[fx.Node, tuple[fx.Node, np.ndarray]]  # representative node -> (unit, unit strategy -> own strategy)
     clustering: Clustering
     n_merged: int = 0
-    fixed: list[tuple[str, fx.Node, list[int]]] = field(default_factory=list)  # (group, unit, allowed strategies)
 
 
 def _producer_reps(tg: TracedGraph, clustering: Clustering) -> dict[fx.Node, set]:
