@@ -20,12 +20,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from autoplan.adapters.dtensor import redistribute
+from autoplan.adapters.dtensor import local_shape, redistribute
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.plan import Plan, placements_str
 from autoplan.strategies import Placements
-from autoplan.tracing import PHASE_KEY, TracedGraph
+from autoplan.tracing import PHASE_KEY, TracedGraph, forward_nodes
 
 aten = torch.ops.aten
 COLLECTIVES = {
@@ -171,8 +171,8 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     is_fwd = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
     # a forward op's tuple is never saved whole: its element reads stay in the forward graph
     is_fwd |= {n for n in nodes if n.target is operator.getitem and n.args[0] in is_fwd}
-    not_tangent = set(nodes) - set(tangents)
-    forward = [n for n in nodes if n in is_fwd or (n.op == "placeholder" and n in not_tangent)]
+    primals = {n for n in nodes if n.op == "placeholder"} - set(tangents)
+    forward = [n for n in nodes if n in is_fwd or n in primals]
     backward = [n for n in nodes if n.op == "call_function" and n not in is_fwd]
     in_backward = set(backward)
     recompute = _recompute_closure(forward, in_backward, outputs[n_outputs:])
@@ -216,23 +216,14 @@ def _recompute_closure(forward: list[fx.Node], backward: set[fx.Node], grads: li
 
 
 def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, _ = compute_local_shape_and_global_offset(val.shape, mesh, placements)
+    shape = local_shape(val.shape, mesh, placements)
     with fake_mode:
         return torch.empty(shape, dtype=val.dtype, device=mesh.device_type)
 
 
 def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
     """Tag nodes the way functorch's partitioner expects: forward = what the model outputs need."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    stack = [a for a in out.args[0][:n_outputs] if isinstance(a, fx.Node)]
-    forward: set = set()
-    while stack:
-        n = stack.pop()
-        if n not in forward:
-            forward.add(n)
-            stack.extend(n.all_input_nodes)
+    forward = forward_nodes(gm, n_outputs)
     anchor = next(n for n in reversed(gm.graph.nodes) if n.op == "placeholder")
     for n in list(gm.graph.nodes):
         if n.op == "call_function":

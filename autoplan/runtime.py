@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from autoplan.adapters.dtensor import local_shape
 from autoplan.lowering import LoweredGraph
 from autoplan.plan import placements_str
 from autoplan.strategies import Placements
@@ -140,10 +141,7 @@ def _check_inputs(flat: list, state: _State) -> None:
 def _dtensor_like(t: torch.Tensor, mesh: DeviceMesh, placements: Placements) -> torch.Tensor:
     """Shard a real tensor onto the mesh, or make a meta DTensor of the right local shape."""
     if t.device.type == "meta":
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local_shape, _ = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-        local = torch.empty(local_shape, dtype=t.dtype, device="meta")
+        local = torch.empty(local_shape(t.shape, mesh, placements), dtype=t.dtype, device="meta")
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
     return distribute_tensor(t.detach().to(mesh.device_type), mesh, placements)
 

@@ -160,7 +160,7 @@ def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode):
     flat_args, args_spec = tree_flatten(args)
     with fake_mode:
         probe = torch.func.functional_call(wrapper, {**dict(named_params), **dict(named_buffers)}, args)
-    flat_out, out_spec = tree_flatten(probe)
+    flat_out, _ = tree_flatten(probe)
     diff_out = [i for i, o in enumerate(flat_out) if _differentiable(o)]
     with fake_mode:
         tangents = [torch.empty_like(flat_out[i]) for i in diff_out]
@@ -188,7 +188,6 @@ def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode):
     in_labels += [("input", i) for i in range(len(flat_args))] + [("tangent", i) for i in diff_out]
     out_labels = [("output", i) for i in range(len(flat_out))] + [("grad_param", n) for n, _ in named_params]
     out_labels += [("grad_input", i) for i in diff_in]
-    del out_spec
     return gm, in_labels, out_labels
 
 
@@ -238,16 +237,21 @@ def _inherit_backward_paths(gm: fx.GraphModule) -> None:
             n.meta[PATH_KEY] = by_seq.get(n.meta["seq_nr"], "")
 
 
-def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
-    """Forward = everything the model outputs depend on; the rest is backward."""
+def forward_nodes(gm: fx.GraphModule, n_outputs: int) -> set[fx.Node]:
+    """The forward part of a joint graph: everything its first ``n_outputs`` outputs depend on."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     stack = [a for a in out.args[0][:n_outputs] if isinstance(a, fx.Node)]
-    forward = set()
+    forward: set[fx.Node] = set()
     while stack:
         n = stack.pop()
         if n not in forward:
             forward.add(n)
             stack.extend(n.all_input_nodes)
+    return forward
+
+
+def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
+    forward = forward_nodes(gm, n_outputs)
     for n in gm.graph.nodes:
         n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor._redistribute import (
     disable_redistribute_transform_optimization,
     redistribute_local_tensor,
 )
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
 Placements = tuple[Placement, ...]
@@ -176,6 +177,11 @@ def redistribute(value: DTensor, placements: Placements) -> DTensor:
     with disable_redistribute_transform_optimization():
         local = redistribute_local_tensor(value._local_tensor, src, dst)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
+
+
+def local_shape(shape: Sequence[int], mesh: DeviceMesh, placements: Placements) -> tuple[int, ...]:
+    """This rank's shard shape of a tensor of global ``shape`` placed as ``placements``."""
+    return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])
 
 
 def flattened_group_name(mesh: DeviceMesh) -> str:
