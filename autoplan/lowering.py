@@ -5,6 +5,10 @@ every input is redistributed to the placement the plan expects, so DTensor compu
 chosen strategy. Tracing that execution with ``make_fx`` on fake local tensors records local ATen
 ops (shape arguments already localised by DTensor) and the plan's redistributions as functional
 collectives (``_c10d_functional.*`` + ``wait_tensor``) on the mesh's process groups.
+
+The graph is rank-generic: where a rank keeps its own chunk of a tensor, the chunk is indexed by the
+graph's first input, the rank's mesh coordinate, so the same graph runs on every rank (and on all of
+``LocalTensorMode``'s simulated ranks in one process).
 """
 
 from __future__ import annotations
@@ -47,9 +51,9 @@ class LoweredGraph:
     joint: fx.GraphModule
     forward: fx.GraphModule
     backward: fx.GraphModule
-    input_labels: list
+    input_labels: list  # per placeholder: the mesh coordinate (``COORDINATE``), then the traced inputs
     output_labels: list
-    input_placements: list[Placements]  # per placeholder
+    input_placements: list[Placements | None]  # per placeholder
     output_placements: list[Placements | None]  # per graph output
     n_outputs: int  # model outputs (forward graph's first outputs)
     local_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]  # per placeholder: (local, global)
@@ -90,10 +94,10 @@ def output_targets(tg: TracedGraph, plan: Plan, fixed_outputs: dict[int, Placeme
     return targets
 
 
-def _to(value, mesh: DeviceMesh, placements: Placements | None):
+def _to(value, placements: Placements | None, coordinate: torch.Tensor):
     if placements is None or not isinstance(value, DTensor):
         return value
-    return value if value.placements == tuple(placements) else redistribute(value, placements)
+    return value if value.placements == tuple(placements) else redistribute(value, placements, coordinate)
 
 
 def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, outputs: tuple):
@@ -111,31 +115,11 @@ def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, outputs: tuple):
     return tree_unflatten(wrapped, spec)
 
 
-def _interpret(tg: TracedGraph, plan: Plan, mesh: DeviceMesh, targets, primals, tangents):
-    env: dict[fx.Node, object] = {}
-    placeholders = iter([*primals, *tangents])
-    for node in tg.gm.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta["val"]
-            pl = plan.nodes[node.name].outputs[0]
-            env[node] = DTensor.from_local(
-                next(placeholders), mesh, pl, run_check=False, shape=val.shape, stride=val.stride()
-            )
-        elif node.op == "call_function" and node.target is operator.getitem:
-            env[node] = env[node.args[0]][node.args[1]]
-        elif node.op == "call_function":
-            env[node] = _run_node(node, plan, mesh, env)
-        elif node.op == "output":
-            outs = node.args[0]
-            return [_to(env[o], mesh, t).to_local() if isinstance(o, fx.Node) else o for o, t in zip(outs, targets)]
-    raise LoweringError("graph has no output node")
-
-
-def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict):
+def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict, coordinate: torch.Tensor):
     chosen = plan.nodes[node.name]
     wanted = iter(chosen.inputs)
     flat, spec = tree_flatten((node.args, node.kwargs))
-    flat = [_to(env[a], mesh, next(wanted)) if isinstance(a, fx.Node) else a for a in flat]
+    flat = [_to(env[a], next(wanted), coordinate) if isinstance(a, fx.Node) else a for a in flat]
     args, kwargs = tree_unflatten(flat, spec)
     if chosen.rule in LOCAL_RULES:
         return _run_local(node, args, kwargs, mesh, chosen.outputs)
@@ -236,18 +220,7 @@ def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
 
 
 LOCAL_RULES = ("autoplan", "fallback")
-
-
-def run_eagerly(
-    tg: TracedGraph, plan: Plan, mesh: DeviceMesh, fixed_outputs: dict[int, Placements], primals: list, tangents: list
-) -> list:
-    """Execute the planned joint graph on DTensors, op by op, without tracing: local shards in, local
-    shards out (model outputs and gradients in their planned placements).
-
-    Runs on any world, including ``LocalTensorMode``'s simulated ranks, where a graph traced on one
-    concrete rank cannot run (it bakes that rank's shard offsets in).
-    """
-    return _interpret(tg, plan, mesh, output_targets(tg, plan, fixed_outputs), primals, tangents)
+COORDINATE = ("coordinate", "mesh")  # input label of the rank's mesh coordinate
 
 
 class _Stitcher:
@@ -255,6 +228,8 @@ class _Stitcher:
 
     Identical layers produce identical segments (same op, shapes, placements), so each is traced
     through DTensor once and then copied: lowering cost grows with distinct nodes, not with depth.
+    Every segment also reads the rank's mesh coordinate (a graph input), so chunk choices are
+    indexed by it and the graph is the same on every rank.
     """
 
     def __init__(self, tg: TracedGraph, plan: Plan, mesh: DeviceMesh):
@@ -263,6 +238,10 @@ class _Stitcher:
         self.root = torch.nn.Module()
         self.templates: dict[tuple, fx.GraphModule] = {}
         self.n_traced = 0
+        with tg.fake_mode:
+            self.coordinate_fake = torch.zeros(mesh.ndim, dtype=torch.int64, device=mesh.device_type)
+        self.coordinate = self.graph.placeholder("mesh_coordinate")
+        self.coordinate.meta["val"] = self.coordinate_fake
 
     def placement(self, node: fx.Node) -> Placements:
         return self.plan.nodes[node.name].outputs[0]
@@ -280,13 +259,13 @@ class _Stitcher:
         if key not in self.templates:
             fakes = [self.local_fake(a) for a in inputs]
             with self.tg.fake_mode:
-                self.templates[key] = make_fx(fn, tracing_mode="real")(*fakes)
+                self.templates[key] = make_fx(fn, tracing_mode="real")(*fakes, self.coordinate_fake)
             self.n_traced += 1
         return self.templates[key]
 
     def inline(self, template: fx.GraphModule, args: list[fx.Node]) -> list:
         env: dict[fx.Node, fx.Node] = {}
-        it = iter(args)
+        it = iter([*args, self.coordinate])
         for n in template.graph.nodes:
             if n.op == "placeholder":
                 env[n] = next(it)
@@ -316,8 +295,9 @@ class _Stitcher:
         inputs = list(dict.fromkeys(a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)))
 
         def seg(*locals_):
+            *locals_, coordinate = locals_
             values = {a: self.wrap(a, t) for a, t in zip(inputs, locals_)}
-            result = _run_node(node, self.plan, self.mesh, values)
+            result = _run_node(node, self.plan, self.mesh, values, coordinate)
             flat, _ = tree_flatten(result)
             return [r.to_local() if isinstance(r, DTensor) else r for r in flat]
 
@@ -330,8 +310,8 @@ class _Stitcher:
         val = node.meta["val"]
         key = ("move", tuple(val.shape), tuple(val.stride()), val.dtype, self.placement(node), tuple(target))
 
-        def seg(local):
-            return [redistribute(self.wrap(node, local), target).to_local()]
+        def seg(local, coordinate):
+            return [redistribute(self.wrap(node, local), target, coordinate).to_local()]
 
         return self.inline(self.segment(key, seg, [node]), [env[node]])[0]
 
@@ -394,19 +374,21 @@ def lower(
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(gm, n_outputs)
     fusion = fuse_gather_chains(gm, mesh) if fuse_gathers else FusionStats(0, 0)
-    params = {n for n, (kind, _) in zip(gm.graph.find_nodes(op="placeholder"), tg.input_labels) if kind == "param"}
+    labels = [COORDINATE, *tg.input_labels]
+    params = {n for n, (kind, _) in zip(gm.graph.find_nodes(op="placeholder"), labels) if kind == "param"}
     recompute = tag_parameter_gathers(gm, params) if reshard_after_forward else RecomputeStats(0, 0)
     forward, backward = partition(gm, n_outputs)
     return LoweredGraph(
         joint=gm,
         forward=forward,
         backward=backward,
-        input_labels=list(tg.input_labels),
+        input_labels=labels,
         output_labels=list(tg.output_labels),
-        input_placements=in_pl,
+        input_placements=[None, *in_pl],
         output_placements=targets,
         n_outputs=n_outputs,
-        local_shapes=[(tuple(t.shape), tuple(p.meta["val"].shape)) for t, p in zip(local, placeholders)],
+        local_shapes=[((mesh.ndim,), (mesh.ndim,))]
+        + [(tuple(t.shape), tuple(p.meta["val"].shape)) for t, p in zip(local, placeholders)],
         n_segments=stitcher.n_traced,
         recompute=recompute,
         gather_fusion=fusion,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.adapters.dtensor import local_shape
+from autoplan.adapters.local_tensor import mesh_coordinate, per_rank, world_key
 from autoplan.lowering import LoweredGraph
 from autoplan.plan import placements_str
 from autoplan.strategies import Placements
@@ -87,7 +88,8 @@ class ParallelMixin:
         _check_inputs(flat, state)
         params = [p.to_local() for p in state.params(self)]
         buffers = [b.to_local() if isinstance(b, DTensor) else b for b in state.buffers(self)]
-        outs = _PlanFunction.apply(state.executor, *params, *buffers, *flat)
+        coordinate, *constants = state.per_rank([state.coordinate(), *buffers, *flat])
+        outs = _PlanFunction.apply(state.executor, coordinate, *params, *constants)
         outs = [state.wrap_output(i, o) for i, o in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -112,6 +114,21 @@ class _State:
     output_placements: list[Placements | None]
     output_shapes: list[tuple[torch.Size, tuple[int, ...]] | None]
     return_dtensor: bool
+    coordinates: dict = field(default_factory=dict)  # per simulated world (``world_key``): this rank's mesh coordinate
+
+    @staticmethod
+    @torch.compiler.disable
+    def per_rank(values: list) -> list:
+        """Graph inputs without gradients, each with its own storage per simulated rank (a compiled
+        graph cannot mix simulated-rank tensors with plain ones); unchanged on a real rank."""
+        return [per_rank(v) if isinstance(v, torch.Tensor) else v for v in values]
+
+    @torch.compiler.disable
+    def coordinate(self) -> torch.Tensor:
+        key = world_key()
+        if key not in self.coordinates:
+            self.coordinates[key] = mesh_coordinate(self.mesh)
+        return self.coordinates[key]
 
     def params(self, module: nn.Module) -> list[torch.Tensor]:
         return [module.get_parameter(f) for f in self.param_fqns]
@@ -155,7 +172,7 @@ def _distribute_full_state(module, state_dict, prefix, *args):
             shards = distribute_tensor(value.to(current.device), current.device_mesh, current.placements)
             # adopt the shard storage itself: under a simulated world (LocalTensorMode) a local tensor
             # made by ``to_empty`` outside the simulation is shared by all ranks, so copy_ cannot fill it
-            current._local_tensor = shards._local_tensor.detach()
+            current._local_tensor = per_rank(shards._local_tensor.detach())
             state_dict[key] = shards
 
 

@@ -10,111 +10,14 @@ import pytest
 import torch
 from conftest import expected_on_cpu
 from gloo import run_gloo
-from torch.distributed.tensor import Replicate, Shard
-
-R, S0, S1 = Replicate(), Shard(0), Shard(1)
-FSDP = [("*weight", (S0, S0))]
-LLAMA_TP = [
-    ("layers.*.attention.w[qkv].weight", (S0, S0)),
-    ("layers.*.attention.wo.weight", (S0, S1)),
-    ("layers.*.feed_forward.w[13].weight", (S0, S0)),
-    ("layers.*.feed_forward.w2.weight", (S0, S1)),
-]
-MLP_TP = [("fc1.weight", (S0, S0)), ("fc2.weight", (S0, S1))]
-STEPS = 3
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """fp32 agreement: elementwise allclose(rtol=1e-5, atol=1e-6) and a relative norm error below 1e-5."""
-    rel = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-    return bool(torch.allclose(actual, expected, rtol=1e-5, atol=1e-6)) and rel < 1e-5
-
-
-def _make(name: str):
-    from models import MLP, TiedLM, WeightNormMLP
-
-    from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-
-    if name == "llama":
-        cfg = LLAMA3_CONFIGS["debug"]
-        return (lambda: Transformer(cfg)), (lambda g: torch.randint(0, cfg.vocab_size, (4, 16), generator=g))
-    if name == "tied":
-        return TiedLM, (lambda g: torch.randint(0, 64, (4, 8), generator=g))
-    if name == "mlp":
-        return (lambda: MLP(32, 64, 32)), (lambda g: torch.randn(8, 32, generator=g))
-    if name == "weightnorm":
-        return WeightNormMLP, (lambda g: torch.randn(8, 32, generator=g))
-    raise ValueError(name)
+from parallel_run import FSDP, LLAMA_TP, MLP_TP, S0, R, graph_report, parallel_run, plan_and_apply, reference_run
+from torch.distributed.tensor import Shard
 
 
 def _run_config(mesh, name: str, pins: list, compiled: bool, return_dtensor: bool, reshard: bool = True) -> dict:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    import autoplan.compile
-    from autoplan import AutoParallel
-
-    build, batch_fn = _make(name)
-    torch.manual_seed(0)
-    ref = build()
-    batches = [batch_fn(torch.Generator().manual_seed(s)) for s in range(STEPS)]
-    with torch.device("meta"):
-        model = build()
-    io = (S0, R)
-    with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator())) as ap:
-        ap.add_input_constraints([io])
-        ap.add_output_constraints([io])
-        for target, placements in pins:
-            ap.add_node_constraint(target, placements)
-        plan = ap.optimize_placement()
-        pmod = ap.apply_placement(plan, return_dtensor=return_dtensor, reshard_after_forward=reshard)
-    pmod.to_empty(device="cpu")
-    if hasattr(pmod, "init_weights"):
-        pmod.init_weights()
-    pmod.load_state_dict(ref.state_dict())
-    run = torch.compile(pmod, backend=autoplan.compile.backend()) if compiled else pmod
-
-    opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses, ref_losses, grads_ok = [], [], {}
-    for step, batch in enumerate(batches):
-        out = run(distribute_tensor(batch, mesh, io).to_local())
-        if return_dtensor:
-            assert isinstance(out, DTensor) and out.placements == io
-            loss = out.mean()  # a DTensor loss: backward flows through the sharded output
-            full_loss = loss.full_tensor()
-        else:
-            full_out = DTensor.from_local(out, mesh, io, run_check=False)
-            loss = full_out.mean()
-            full_loss = loss.full_tensor()
-        loss.backward()
-        ref_loss = ref(batch).mean()
-        ref_loss.backward()
-        if step == 0:
-            ref_grads = dict(ref.named_parameters())
-            grads_ok = {n: _close(p.grad.full_tensor(), ref_grads[n].grad) for n, p in pmod.named_parameters()}
-        losses.append(float(full_loss))
-        ref_losses.append(float(ref_loss))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    lowered = ap.lowered
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "grads_ok": grads_ok,
-        "lowered": lowered.collective_counts(),
-        "forward": lowered.collective_counts(lowered.forward),
-        "backward": lowered.collective_counts(lowered.backward),
-        "planned": plan.collective_counts(),
-        "params": {k: str(v) for k, v in plan.param_placements.items()},
-        "fused": lowered.gather_fusion.fused,
-        "regathers": sum(
-            1
-            for n in lowered.backward.graph.nodes
-            if n.meta.get("autoplan_recompute") and getattr(n.target, "_opname", "") == "all_gather_into_tensor"
-        ),
-    }
+    ref = reference_run(name)
+    plan, lowered, pmod = plan_and_apply(mesh, name, pins, return_dtensor=return_dtensor, reshard_after_forward=reshard)
+    return parallel_run(mesh, pmod, ref, compiled) | {"ref_losses": ref.losses} | graph_report(plan, lowered)
 
 
 def _worker(rank: int, name: str, configs: list) -> list:

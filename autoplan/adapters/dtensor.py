@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -168,15 +169,57 @@ def shard_dim(placement: Placement) -> int | None:
     return None
 
 
-def redistribute(value: DTensor, placements: Placements) -> DTensor:
+def redistribute(value: DTensor, placements: Placements, coordinate: torch.Tensor | None = None) -> DTensor:
     """Move a DTensor to ``placements`` step by step, as priced: Partial targets allowed (the public
-    API forbids them), and no merging of steps across mesh dims (a later pass fuses explicitly)."""
+    API forbids them), and no merging of steps across mesh dims (a later pass fuses explicitly).
+
+    With ``coordinate`` (this rank's mesh coordinate as an int64 tensor) the steps that pick a
+    rank's chunk index it with that tensor instead of a Python int, so a graph traced on one rank
+    runs on every rank (and on all of ``LocalTensorMode``'s simulated ranks at once).
+    """
     mesh = value.device_mesh
     src = value._spec
     dst = make_spec(mesh, placements, src.tensor_meta)
     with disable_redistribute_transform_optimization():
-        local = redistribute_local_tensor(value._local_tensor, src, dst)
+        if coordinate is None:
+            local = redistribute_local_tensor(value._local_tensor, src, dst)
+        else:
+            local = _redistribute_rank_generic(value._local_tensor, src, dst, coordinate)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _redistribute_rank_generic(
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coordinate: torch.Tensor
+) -> torch.Tensor:
+    """DTensor's own steps, except the two that bake the rank in: Replicate -> Shard (take a chunk)
+    and, on CPU groups, Shard -> Shard (all-gather, then take a chunk; gloo has no all-to-all)."""
+    mesh, meta = src.mesh, src.tensor_meta
+    current = list(src.placements)
+    for info in _gen_transform_infos(src, dst):
+        i = info.mesh_dim
+        before, after = info.src_dst_placements
+        target = [*current]
+        target[i] = after
+        n = mesh.size(i)
+        index = coordinate[i : i + 1]
+        if type(after) is Shard and before.is_replicate():
+            local = _take_chunk(local, after.dim, n, index)
+        elif type(after) is Shard and type(before) is Shard and before.dim != after.dim and mesh.device_type == "cpu":
+            gathered = funcol.all_gather_single(local, before.dim, (mesh, i))
+            if isinstance(gathered, funcol.AsyncCollectiveTensor):
+                gathered = gathered.wait()
+            local = _take_chunk(gathered, after.dim, n, index)
+        else:
+            local = redistribute_local_tensor(local, make_spec(mesh, current, meta), make_spec(mesh, target, meta))
+        current = target
+    return local
+
+
+def _take_chunk(t: torch.Tensor, dim: int, n: int, index: torch.Tensor) -> torch.Tensor:
+    """Chunk ``index`` (a one-element tensor) of ``n`` even chunks along ``dim``, as a new tensor."""
+    if t.shape[dim] % n:
+        raise ValueError(f"dim {dim} of shape {tuple(t.shape)} does not split evenly {n} ways")
+    return t.unflatten(dim, (n, t.shape[dim] // n)).index_select(dim, index).flatten(dim, dim + 1)
 
 
 def local_shape(shape: Sequence[int], mesh: DeviceMesh, placements: Placements) -> tuple[int, ...]:

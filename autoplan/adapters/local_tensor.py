@@ -1,0 +1,42 @@
+"""Adapter over ``torch.distributed._local_tensor`` (all ranks simulated in one process).
+
+The runtime asks for per-rank values (the mesh coordinate) through here, so the same code serves
+one real rank per process and ``LocalTensorMode``'s simulated ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode, rank_map
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def world_key() -> Hashable:
+    """What per-rank values depend on besides the process: the simulated ranks, if any."""
+    mode = enabled_local_tensor_mode()
+    return None if mode is None else frozenset(mode.ranks)
+
+
+def mesh_coordinate(mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's coordinate in ``mesh`` as an int64 tensor on the mesh's device type (one value
+    per simulated rank under ``LocalTensorMode``)."""
+    ranks = mesh.mesh
+
+    def coordinate(rank: int) -> torch.Tensor:
+        found = (ranks == rank).nonzero()
+        if len(found) != 1:
+            raise ValueError(f"rank {rank} is not in the mesh {ranks.tolist()}")
+        return found[0].to(dtype=torch.int64, device=mesh.device_type)
+
+    return rank_map(coordinate)
+
+
+def per_rank(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its own storage on every simulated rank. Under ``LocalTensorMode`` a plain tensor is
+    one storage read by all ranks, so an in-place update (an optimizer step) would land once per rank."""
+    mode = enabled_local_tensor_mode()
+    if mode is None or isinstance(t, LocalTensor):
+        return t
+    return mode.rank_map(lambda _: t.clone())

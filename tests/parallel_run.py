@@ -1,0 +1,133 @@
+"""One training run of a planned model next to its single-device reference, shared by the gloo
+(one process per rank) and LocalTensorMode (all ranks in one process) ground-truth tests."""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+IO = (S0, R)  # batch-sharded inputs and outputs
+STEPS = 3
+FSDP = [("*weight", (S0, S0))]
+LLAMA_TP = [
+    ("layers.*.attention.w[qkv].weight", (S0, S0)),
+    ("layers.*.attention.wo.weight", (S0, S1)),
+    ("layers.*.feed_forward.w[13].weight", (S0, S0)),
+    ("layers.*.feed_forward.w2.weight", (S0, S1)),
+]
+MLP_TP = [("fc1.weight", (S0, S0)), ("fc2.weight", (S0, S1))]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """fp32 agreement: elementwise allclose(rtol=1e-5, atol=1e-6) and a relative norm error below 1e-5."""
+    rel = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+    return bool(torch.allclose(actual, expected, rtol=1e-5, atol=1e-6)) and rel < 1e-5
+
+
+def make(name: str, batch_rows: int = 4):
+    from models import MLP, TiedLM, WeightNormMLP
+
+    from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+
+    if name == "llama":
+        cfg = LLAMA3_CONFIGS["debug"]
+        return (lambda: Transformer(cfg)), (lambda g: torch.randint(0, cfg.vocab_size, (batch_rows, 16), generator=g))
+    if name == "tied":
+        return TiedLM, (lambda g: torch.randint(0, 64, (batch_rows, 8), generator=g))
+    if name == "mlp":
+        return (lambda: MLP(32, 64, 32)), (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
+    if name == "weightnorm":
+        return WeightNormMLP, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
+    raise ValueError(name)
+
+
+@dataclass
+class Reference:
+    model: torch.nn.Module
+    batches: list
+    initial_state: dict
+    losses: list = field(default_factory=list)
+    grads: dict = field(default_factory=dict)  # after the first step
+
+
+def reference_run(name: str, batch_rows: int = 4) -> Reference:
+    """Three single-device AdamW steps (loss = mean of the outputs)."""
+    build, batch_fn = make(name, batch_rows)
+    torch.manual_seed(0)
+    model = build()
+    ref = Reference(model, [batch_fn(torch.Generator().manual_seed(s)) for s in range(STEPS)], {})
+    ref.initial_state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step, batch in enumerate(ref.batches):
+        loss = model(batch).mean()
+        loss.backward()
+        if step == 0:
+            ref.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ref.losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def plan_and_apply(mesh, name: str, pins: list, batch_rows: int = 4, **apply_options):
+    """Plan ``name`` on ``mesh`` (batch-sharded I/O, optional pins) and build the parallel module."""
+    from autoplan import AutoParallel
+
+    build, batch_fn = make(name, batch_rows)
+    with torch.device("meta"):
+        model = build()
+    with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator())) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO])
+        for target, placements in pins:
+            ap.add_node_constraint(target, placements)
+        plan = ap.optimize_placement()
+        pmod = ap.apply_placement(plan, **apply_options)
+    return plan, ap.lowered, pmod
+
+
+def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t) -> dict:
+    """The same three steps on the parallel module; ``plain`` turns a replicated value into a plain
+    tensor (the identity on a real rank, a consistency check across simulated ranks)."""
+    import autoplan.compile
+
+    pmod.to_empty(device="cpu")
+    if hasattr(pmod, "init_weights"):
+        pmod.init_weights()
+    pmod.load_state_dict(ref.initial_state)
+    run = torch.compile(pmod, backend=autoplan.compile.backend()) if compiled else pmod
+    opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
+    return_dtensor = pmod._autoplan.return_dtensor
+    losses, grads_ok = [], {}
+    for step, batch in enumerate(ref.batches):
+        out = run(distribute_tensor(batch, mesh, IO).to_local())
+        if return_dtensor:
+            assert isinstance(out, DTensor) and out.placements == IO
+            loss = out.mean()  # a DTensor loss: backward flows through the sharded output
+        else:
+            loss = DTensor.from_local(out, mesh, IO, run_check=False).mean()
+        loss.backward()
+        if step == 0:
+            grads_ok = {n: close(plain(p.grad.full_tensor()), ref.grads[n]) for n, p in pmod.named_parameters()}
+        losses.append(float(plain(loss.full_tensor())))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads_ok": grads_ok}
+
+
+def graph_report(plan, lowered) -> dict:
+    """What the lowered graphs contain, for checking against the plan."""
+    return {
+        "lowered": lowered.collective_counts(),
+        "forward": lowered.collective_counts(lowered.forward),
+        "backward": lowered.collective_counts(lowered.backward),
+        "planned": plan.collective_counts(),
+        "params": {k: str(v) for k, v in plan.param_placements.items()},
+        "fused": lowered.gather_fusion.fused,
+        "regathers": sum(
+            1
+            for n in lowered.backward.graph.nodes
+            if n.meta.get("autoplan_recompute") and getattr(n.target, "_opname", "") == "all_gather_into_tensor"
+        ),
+    }
