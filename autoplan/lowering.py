@@ -205,18 +205,17 @@ def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fak
         return torch.empty(shape, dtype=val.dtype, device=mesh.device_type)
 
 
-def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
+def _mark_phases(graph: fx.Graph, n_outputs: int) -> None:
     """Tag nodes the way functorch's partitioner expects: forward = what the model outputs need."""
-    forward = forward_nodes(gm, n_outputs)
-    anchor = next(n for n in reversed(gm.graph.nodes) if n.op == "placeholder")
-    for n in list(gm.graph.nodes):
+    forward = forward_nodes(graph, n_outputs)
+    anchor = next(n for n in reversed(graph.nodes) if n.op == "placeholder")
+    for n in list(graph.nodes):
         if n.op == "call_function":
             n.meta["partitioner_tag"] = "is_forward" if n in forward else "is_backward"
             n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
             if n in forward:  # the partitioner splits by position: forward ops must all come first
                 anchor.append(n)
                 anchor = n
-    gm.recompile()
 
 
 LOCAL_RULES = ("autoplan", "fallback")
@@ -315,7 +314,7 @@ class _Stitcher:
 
         return self.inline(self.segment(key, seg, [node]), [env[node]])[0]
 
-    def run(self, targets: list, local: list[torch.Tensor]) -> fx.GraphModule:
+    def run(self, targets: list, local: list[torch.Tensor]) -> fx.Graph:
         env: dict[fx.Node, object] = {}
         locals_ = iter(local)
         for node in self.tg.gm.graph.nodes:
@@ -333,14 +332,14 @@ class _Stitcher:
                     self.lower_output(o, env, t) if isinstance(o, fx.Node) else o for o, t in zip(node.args[0], targets)
                 ]
                 self.graph.output(results)
-        return fx.GraphModule(self.root, self.graph)
+        return self.graph
 
 
-def _drop_identity_views(gm: fx.GraphModule) -> int:
+def _drop_identity_views(graph: fx.Graph) -> int:
     """Remove ``view``/``alias`` ops that keep shape and strides (left by wrapping and unwrapping
     DTensors at segment borders); in a functional graph they are pure renames."""
     dropped = 0
-    for n in list(gm.graph.nodes):
+    for n in list(graph.nodes):
         if n.op == "call_function" and n.target in (aten.view.default, aten.alias.default):
             src = n.args[0]
             a, b = src.meta.get("val"), n.meta.get("val")
@@ -351,7 +350,7 @@ def _drop_identity_views(gm: fx.GraphModule) -> int:
                 and a.stride() == b.stride()
             ):
                 n.replace_all_uses_with(src)
-                gm.graph.erase_node(n)
+                graph.erase_node(n)
                 dropped += 1
     return dropped
 
@@ -369,14 +368,15 @@ def lower(
     in_pl = [plan.nodes[p.name].outputs[0] for p in placeholders]
     local = [_local_fake(p.meta["val"], pl, mesh, tg.fake_mode) for p, pl in zip(placeholders, in_pl)]
     stitcher = _Stitcher(tg, plan, mesh)
-    gm = stitcher.run(targets, local)
-    _drop_identity_views(gm)
+    graph = stitcher.run(targets, local)
+    _drop_identity_views(graph)
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
-    _mark_phases(gm, n_outputs)
-    fusion = fuse_gather_chains(gm, mesh) if fuse_gathers else FusionStats(0, 0)
+    _mark_phases(graph, n_outputs)
+    fusion = fuse_gather_chains(graph, mesh) if fuse_gathers else FusionStats(0, 0)
     labels = [COORDINATE, *tg.input_labels]
-    params = {n for n, (kind, _) in zip(gm.graph.find_nodes(op="placeholder"), labels) if kind == "param"}
-    recompute = tag_parameter_gathers(gm, params) if reshard_after_forward else RecomputeStats(0, 0)
+    params = {n for n, (kind, _) in zip(graph.find_nodes(op="placeholder"), labels) if kind == "param"}
+    recompute = tag_parameter_gathers(graph, params) if reshard_after_forward else RecomputeStats(0, 0)
+    gm = fx.GraphModule(stitcher.root, graph)  # generated once, after every rewrite (codegen is slow on 8B)
     forward, backward = partition(gm, n_outputs)
     return LoweredGraph(
         joint=gm,

@@ -237,9 +237,9 @@ def _inherit_backward_paths(gm: fx.GraphModule) -> None:
             n.meta[PATH_KEY] = by_seq.get(n.meta["seq_nr"], "")
 
 
-def forward_nodes(gm: fx.GraphModule, n_outputs: int) -> set[fx.Node]:
+def forward_nodes(graph: fx.Graph, n_outputs: int) -> set[fx.Node]:
     """The forward part of a joint graph: everything its first ``n_outputs`` outputs depend on."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
     stack = [a for a in out.args[0][:n_outputs] if isinstance(a, fx.Node)]
     forward: set[fx.Node] = set()
     while stack:
@@ -251,7 +251,7 @@ def forward_nodes(gm: fx.GraphModule, n_outputs: int) -> set[fx.Node]:
 
 
 def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
-    forward = forward_nodes(gm, n_outputs)
+    forward = forward_nodes(gm.graph, n_outputs)
     for n in gm.graph.nodes:
         n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
 

@@ -65,11 +65,11 @@ def _from_parameter(n: fx.Node, params: set[fx.Node]) -> bool:
     return True
 
 
-def tag_parameter_gathers(gm: fx.GraphModule, params: set[fx.Node]) -> RecomputeStats:
+def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeStats:
     """Tag every forward all-gather of a parameter and its cheap downstream chain."""
     tagged: set[fx.Node] = set()
     chains = 0
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         if not (_is_forward(n) and _is_collective(n) and n.target._opname == "all_gather_into_tensor"):
             continue
         if n in tagged or not _from_parameter(n.args[0], params):

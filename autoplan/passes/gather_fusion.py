@@ -46,14 +46,17 @@ def _identity_chain(start: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     return node, chain
 
 
-def fuse_gather_chains(gm: fx.GraphModule, mesh: DeviceMesh) -> FusionStats:
-    """Fuse ``gather(dim i) -> wait -> identity views -> gather(dim j) -> wait`` over a 2-D mesh."""
+def fuse_gather_chains(graph: fx.Graph, mesh: DeviceMesh) -> FusionStats:
+    """Fuse ``gather(dim i) -> wait -> identity views -> gather(dim j) -> wait`` over a 2-D mesh.
+
+    Rewrites ``graph`` in place; a GraphModule owning it must be recompiled afterwards.
+    """
     if mesh.ndim != 2:
         return FusionStats(0, 0)
     dim_of = {mesh.get_group(d).group_name: d for d in range(2)}
     flat_group = None
     fused = rejected = 0
-    for first in list(gm.graph.nodes):
+    for first in list(graph.nodes):
         if not _is(first, c10d.all_gather_into_tensor.default) or first.args[2] not in dim_of:
             continue
         waits = list(first.users)
@@ -71,32 +74,31 @@ def fuse_gather_chains(gm: fx.GraphModule, mesh: DeviceMesh) -> FusionStats:
         (second_wait,) = second.users
         if flat_group is None:
             flat_group = flattened_group_name(mesh)
-        _replace(gm, first, second_wait, inner, mesh, flat_group)
+        _replace(graph, first, second_wait, inner, mesh, flat_group)
         # collectives count as side effects for dead-code elimination: erase the old chain explicitly
         for node in (second_wait, second, *reversed(found[1]), waits[0], first):
-            gm.graph.erase_node(node)
+            graph.erase_node(node)
         fused += 1
-    gm.recompile()
     return FusionStats(fused, rejected)
 
 
-def _replace(gm: fx.GraphModule, first: fx.Node, last_wait: fx.Node, inner: int, mesh: DeviceMesh, group: str):
+def _replace(graph: fx.Graph, first: fx.Node, last_wait: fx.Node, inner: int, mesh: DeviceMesh, group: str):
     src = first.args[0]
     n0, n1 = mesh.shape
     world = n0 * n1
     out_val = last_wait.meta["val"]
-    with gm.graph.inserting_before(last_wait):
-        gather = gm.graph.call_function(c10d.all_gather_into_tensor.default, (src, world, group))
+    with graph.inserting_before(last_wait):
+        gather = graph.call_function(c10d.all_gather_into_tensor.default, (src, world, group))
         gather.meta = dict(first.meta)
         gather.meta["val"] = out_val
-        result = gm.graph.call_function(c10d.wait_tensor.default, (gather,))
+        result = graph.call_function(c10d.wait_tensor.default, (gather,))
         result.meta = dict(last_wait.meta)
         if inner == 0:  # gathered dp first: chunks must come out column-major (tp-major)
             chunk = list(src.meta["val"].shape)
-            blocks = gm.graph.call_function(aten.view.default, (result, [n0, n1, *chunk]))
-            swapped = gm.graph.call_function(aten.transpose.int, (blocks, 0, 1))
-            ordered = gm.graph.call_function(aten.clone.default, (swapped,), {"memory_format": torch.contiguous_format})
-            result = gm.graph.call_function(aten.view.default, (ordered, list(out_val.shape)))
+            blocks = graph.call_function(aten.view.default, (result, [n0, n1, *chunk]))
+            swapped = graph.call_function(aten.transpose.int, (blocks, 0, 1))
+            ordered = graph.call_function(aten.clone.default, (swapped,), {"memory_format": torch.contiguous_format})
+            result = graph.call_function(aten.view.default, (ordered, list(out_val.shape)))
             blocks.meta["val"] = out_val.new_empty([n0, n1, *chunk])
             swapped.meta["val"] = blocks.meta["val"].transpose(0, 1)
             ordered.meta["val"] = out_val.new_empty([n1, n0, *chunk])
