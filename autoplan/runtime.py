@@ -82,6 +82,13 @@ class ParallelMixin:
 
     _autoplan: _State
 
+    def to_empty(self, *, device, recurse: bool = True):
+        super().to_empty(device=device, recurse=recurse)
+        for t in [*self.parameters(), *self.buffers()]:
+            if isinstance(t, DTensor):
+                t._local_tensor = per_rank(t._local_tensor)
+        return self
+
     def forward(self, *inputs):
         state = self._autoplan
         flat, _ = torch.utils._pytree.tree_flatten(inputs)

@@ -11,6 +11,7 @@ import torch
 from conftest import expected_on_cpu, fake_mesh
 from parallel_run import FSDP, LLAMA_TP, MLP_TP, graph_report, parallel_run, plan_and_apply, reference_run
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed.tensor import DTensor
 
 RANKS = 8
 
@@ -69,3 +70,18 @@ def test_sharded_dtensor_output_backpropagates(compiled):
     result, report, ref_losses = _run("mlp", MLP_TP, compiled, return_dtensor=True)
     _check(result, report, ref_losses)
     assert "Shard" in report["params"]["fc1.weight"]  # a really sharded (tensor-parallel) output path
+
+
+def test_optimizer_steps_each_simulated_rank_once():
+    """After ``to_empty`` each simulated rank owns its shard's storage: a shared plain tensor would
+    take the in-place update once per rank (here 8 SGD steps instead of one)."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    _, _, pmod = plan_and_apply(mesh, "mlp", MLP_TP, batch_rows=8)
+    with LocalTensorMode(RANKS) as mode:
+        pmod.to_empty(device="cpu")
+        for p in pmod.parameters():
+            torch.nn.init.zeros_(p)
+            ones = mode.rank_map(lambda _, p=p: torch.ones(p.to_local().shape))  # a gradient computed per rank
+            p.grad = DTensor.from_local(ones, mesh, p.placements, run_check=False)
+        torch.optim.SGD(pmod.parameters(), lr=0.5).step()
+        assert all(torch.equal(_one_value(p.full_tensor()), torch.full(p.shape, -0.5)) for p in pmod.parameters())
