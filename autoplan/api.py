@@ -55,7 +55,8 @@ def _executed_collectives(lowered) -> dict[str, int]:
 def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> dict[str, int]:
     """What the post-solve passes did, and the collectives of one step before and after them.
 
-    Before: the solved plan's redistributions. After round trips: the rewired plan's. After all
+    Before: the solved plan's redistributions. After round trips: the rewired plan's (``local`` counts
+    shard-slicing steps, which is what a removed round trip's return leg usually is). After all
     passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added;
     on CPU process groups an all-to-all runs as an all-gather).
     """
@@ -66,8 +67,8 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
         "gather_chains_rejected": lowered.gather_fusion.rejected,
         "recompute_chains_tagged": lowered.recompute.chains,
         "recompute_nodes_tagged": lowered.recompute.nodes,
-        **{f"{k}_before_passes": v for k, v in plan.collective_counts().items() if k != "local"},
-        **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items() if k != "local"},
+        **{f"{k}_before_passes": v for k, v in plan.collective_counts().items()},
+        **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items()},
         **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
     }
 
