@@ -22,6 +22,8 @@ from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
 from autoplan.evaluate import evaluate, expand_choice, memory_report
 from autoplan.ilp import BudgetRow, FixedRows, solve_placement
 from autoplan.lowering import lower
+from autoplan.passes import alias_roundtrip
+from autoplan.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
 from autoplan.plan import Plan, placements_str
 from autoplan.problem import allowed_strategies, build_problem
 from autoplan.runtime import build_parallel_module, make_executor
@@ -48,6 +50,27 @@ def _executed_collectives(lowered) -> dict[str, int]:
     """Collectives a step runs: forward plus backward graphs (so FSDP re-gathers count)."""
     fwd, bwd = lowered.collective_counts(lowered.forward), lowered.collective_counts(lowered.backward)
     return {k: fwd.get(k, 0) + bwd.get(k, 0) for k in sorted({*fwd, *bwd})}
+
+
+def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> dict[str, int]:
+    """What the post-solve passes did, and the collectives of one step before and after them.
+
+    Before: the solved plan's redistributions. After round trips: the rewired plan's (``local`` counts
+    shard-slicing steps, which is what a removed round trip's return leg usually is). After all
+    passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added;
+    on CPU process groups an all-to-all runs as an all-gather).
+    """
+    return {
+        "round_trips_removed": trips.removed,
+        "aliases_dropped": trips.aliases_dropped,
+        "gather_chains_fused": lowered.gather_fusion.fused,
+        "gather_chains_rejected": lowered.gather_fusion.rejected,
+        "recompute_chains_tagged": lowered.recompute.chains,
+        "recompute_nodes_tagged": lowered.recompute.nodes,
+        **{f"{k}_before_passes": v for k, v in plan.collective_counts().items()},
+        **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items()},
+        **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
+    }
 
 
 class AutoParallel:
@@ -95,13 +118,15 @@ class AutoParallel:
     def __enter__(self) -> AutoParallel:
         t0 = time.perf_counter()
         self.traced = trace_joint(self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type)
+        ta = time.perf_counter()
+        self.aliases = insert_aliases(self.traced)
         t1 = time.perf_counter()
         self.clustering = self._cluster()
         self.strategies = enumerate_strategies(
             self.traced.gm.graph, self.clustering.rep, StrategyBuilder(self.mesh, strict=self.strict)
         )
         t2 = time.perf_counter()
-        self.timings = {"trace": t1 - t0, "strategies": t2 - t1}
+        self.timings = {"trace": ta - t0, "aliases": t1 - ta, "strategies": t2 - t1}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -178,7 +203,7 @@ class AutoParallel:
         nodes += [n for fqn, n in tg.placeholder_for("param").items() if fnmatch.fnmatchcase(fqn, name)]
         last_forward: dict[str, fx.Node] = {}
         for n in tg.gm.graph.nodes:
-            if n.meta.get(PHASE_KEY) == "forward" and n.op == "call_function":
+            if n.meta.get(PHASE_KEY) == "forward" and n.op == "call_function" and not n.meta.get(ALIAS_KEY):
                 path = n.meta.get(PATH_KEY, "")
                 for i in range(len(path.split("."))):
                     last_forward[".".join(path.split(".")[: i + 1])] = n
@@ -239,18 +264,27 @@ class AutoParallel:
         return_dtensor: bool = False,
         reshard_after_forward: bool = True,
         fuse_gathers: bool = True,
+        remove_round_trips: bool = True,
     ) -> nn.Module:
         """The parallel module for ``plan``: DTensor parameters, the lowered graphs in forward/backward.
 
         Each rank passes its local shard of every input and gets local outputs (DTensors with
         ``return_dtensor``). A meta model is materialised with ``to_empty`` + ``init_weights()`` or
-        ``load_state_dict`` of a full state dict. With ``reshard_after_forward`` (FSDP's contract) the
-        backward re-gathers sharded parameters instead of keeping the gathered copies; with
-        ``fuse_gathers`` chained per-mesh-dim all-gathers become one over the flattened mesh.
+        ``load_state_dict`` of a full state dict. With ``remove_round_trips`` consumers that want a
+        value in its producer's placement read it there instead of through a differently placed
+        alias; with ``reshard_after_forward`` (FSDP's contract) the backward re-gathers sharded
+        parameters instead of keeping the gathered copies; with ``fuse_gathers`` chained per-mesh-dim
+        all-gathers become one over the flattened mesh. ``plan.passes`` reports what the passes did
+        and the collectives before and after them; the plan actually lowered is ``self.applied_plan``.
         """
         tg = self._require_traced()
         t0 = time.perf_counter()
-        lowered = lower(tg, plan, self.mesh, self._outputs, reshard_after_forward, fuse_gathers)
+        if remove_round_trips:
+            cost_model = CostModel(self.mesh, self.device_profile)
+            tg, applied, trips = alias_roundtrip.remove_round_trips(tg, plan, cost_model, self._outputs)
+        else:
+            applied, trips = plan, RoundTripStats(0, 0)
+        lowered = lower(tg, applied, self.mesh, self._outputs, reshard_after_forward, fuse_gathers)
         executor = make_executor(lowered)
         buffers = {fqn: plan.nodes[n.name].outputs[0] for fqn, n in tg.placeholder_for("buffer").items()}
         outputs = [
@@ -261,14 +295,8 @@ class AutoParallel:
             self.model, self.mesh, lowered, plan.param_placements, buffers, outputs, executor, return_dtensor
         )
         self.timings["apply"] = time.perf_counter() - t0
-        self.lowered = lowered
-        plan.passes = {
-            "gather_chains_fused": lowered.gather_fusion.fused,
-            "gather_chains_rejected": lowered.gather_fusion.rejected,
-            "recompute_chains_tagged": lowered.recompute.chains,
-            "recompute_nodes_tagged": lowered.recompute.nodes,
-            **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
-        }
+        self.lowered, self.applied_plan = lowered, applied
+        plan.passes = applied.passes = _pass_report(plan, applied, trips, lowered)
         return pmod
 
     def optimize_placement(self) -> Plan:

@@ -6,6 +6,7 @@ follower merging, so the reported cost is the true cost of the expanded plan.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch.fx as fx
 
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.costs import CostModel, local_bytes
-from autoplan.plan import CostBreakdown, MemoryReport, NodePlan, Redistribution
+from autoplan.plan import CostBreakdown, MemoryReport, NodePlan, Plan, Redistribution
 from autoplan.problem import PlacementProblem, strategy_costs
 from autoplan.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph
@@ -118,6 +119,17 @@ def evaluate(
         if dst is not None:
             move(f"output:{i}", u, o, chosen[u].outputs[k], dst, "forward")
     return Evaluation(nodes, redistributions, CostBreakdown(**totals))
+
+
+def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: dict[int, Placements]) -> Plan:
+    """``plan`` on a graph a pass has rewired: every remaining node keeps its strategy, and the
+    redistributions and costs are computed again from scratch rather than patched."""
+    nodes = [n for n in tg.gm.graph.nodes if n.op != "output"]
+    chosen = {n: Strategy(plan.nodes[n.name].outputs, plan.nodes[n.name].inputs) for n in nodes}
+    ev = evaluate(tg, chosen, cost_model, fixed_outputs, {n: plan.nodes[n.name].rule for n in chosen})
+    return dataclasses.replace(
+        plan, nodes=ev.nodes, cost=ev.cost, redistributions=ev.redistributions, passes=dict(plan.passes)
+    )
 
 
 def memory_report(tg: TracedGraph, chosen: dict[fx.Node, Strategy], mesh_shape) -> MemoryReport:

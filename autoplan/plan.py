@@ -152,9 +152,7 @@ class Plan:
             f" solver {self.solver.get('backend')} {self.solver.get('status')}, gap {self.solver.get('gap')}",
             "planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
-        if self.passes:
-            lines.append("passes: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.passes.items()))
-        return "\n".join(lines)
+        return "\n".join(lines + _pass_lines(self.passes))
 
     def _mesh_label(self) -> str:
         dims = self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
@@ -223,6 +221,22 @@ _HEAVY_OPS = {
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
 }
+
+
+_PASS_STAGES = ("before_passes", "after_round_trips", "after_passes")
+
+
+def _pass_lines(passes: dict[str, int]) -> list[str]:
+    """``passes: round trips removed 32, ...`` then one line of collective counts per stage."""
+    if not passes:
+        return []
+    counts = {k: v for k, v in passes.items() if not k.endswith(_PASS_STAGES)}
+    lines = ["passes: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items())]
+    for stage in _PASS_STAGES:
+        kinds = {k.removesuffix(f"_{stage}"): v for k, v in passes.items() if k.endswith(f"_{stage}")}
+        if kinds:
+            lines.append(f"collectives {stage.replace('_', ' ')}: " + ", ".join(f"{k} {v}" for k, v in kinds.items()))
+    return lines
 
 
 def _short_op(op: str) -> str:

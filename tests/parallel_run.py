@@ -70,8 +70,10 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
     return ref
 
 
-def plan_and_apply(mesh, name: str, pins: list, batch_rows: int = 4, **apply_options):
-    """Plan ``name`` on ``mesh`` (batch-sharded I/O, optional pins) and build the parallel module."""
+def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, **apply_options):
+    """Plan ``name`` on ``mesh`` (batch-sharded I/O, optional pins: a list, or a function of the
+    traced graph giving one) and build the parallel module. Returns the plan as lowered (after
+    round-trip removal, with the pass report), the lowered graphs and the module."""
     from autoplan import AutoParallel
 
     build, batch_fn = make(name, batch_rows)
@@ -80,11 +82,11 @@ def plan_and_apply(mesh, name: str, pins: list, batch_rows: int = 4, **apply_opt
     with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator())) as ap:
         ap.add_input_constraints([IO])
         ap.add_output_constraints([IO])
-        for target, placements in pins:
+        for target, placements in pins(ap.traced) if callable(pins) else pins:
             ap.add_node_constraint(target, placements)
         plan = ap.optimize_placement()
         pmod = ap.apply_placement(plan, **apply_options)
-    return plan, ap.lowered, pmod
+    return ap.applied_plan, ap.lowered, pmod
 
 
 def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t) -> dict:
@@ -124,6 +126,7 @@ def graph_report(plan, lowered) -> dict:
         "backward": lowered.collective_counts(lowered.backward),
         "planned": plan.collective_counts(),
         "params": {k: str(v) for k, v in plan.param_placements.items()},
+        "round_trips": plan.passes["round_trips_removed"],
         "fused": lowered.gather_fusion.fused,
         "regathers": sum(
             1

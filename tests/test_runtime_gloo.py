@@ -14,9 +14,29 @@ from parallel_run import FSDP, LLAMA_TP, MLP_TP, S0, R, graph_report, parallel_r
 from torch.distributed.tensor import Shard
 
 
-def _run_config(mesh, name: str, pins: list, compiled: bool, return_dtensor: bool, reshard: bool = True) -> dict:
+def round_trip_pins(traced) -> list:
+    """Residual adds (the ops of ``layers.N`` itself) hidden-sharded on tp, their aliases gathered:
+    the next residual add wants the add's own placement back, a round trip the pass removes."""
+    import re
+
+    from autoplan.passes.alias_roundtrip import ALIAS_KEY
+
+    pins = []
+    for n in traced.gm.graph.nodes:
+        path = n.meta.get("autoplan_module_path", "")
+        residual = n.meta.get("autoplan_phase") == "forward" and not n.meta.get(ALIAS_KEY)
+        if n.op == "call_function" and residual and re.fullmatch(r"layers\.\d+", path):
+            pins += [(n.name, (S0, Shard(2)))] + [(a.name, (S0, R)) for a in n.users if a.meta.get(ALIAS_KEY)]
+    return pins
+
+
+def _run_config(
+    mesh, name: str, pins, compiled: bool, return_dtensor: bool, reshard: bool = True, round_trips: bool = True
+) -> dict:
     ref = reference_run(name)
-    plan, lowered, pmod = plan_and_apply(mesh, name, pins, return_dtensor=return_dtensor, reshard_after_forward=reshard)
+    plan, lowered, pmod = plan_and_apply(
+        mesh, name, pins, return_dtensor=return_dtensor, reshard_after_forward=reshard, remove_round_trips=round_trips
+    )
     return parallel_run(mesh, pmod, ref, compiled) | {"ref_losses": ref.losses} | graph_report(plan, lowered)
 
 
@@ -48,9 +68,12 @@ def test_llama_debug(compiled):
     configs = [([], compiled, False), (FSDP, compiled, False), (LLAMA_TP, compiled, False)]
     if not compiled:  # FSDP keeping its gathered weights (reshard_after_forward=False) computes the same
         configs.append((FSDP, compiled, False, False))
+        # round trips provoked by pins: removed, or kept with the pass off, both compute the same
+        configs += [(round_trip_pins, compiled, False, True, True), (round_trip_pins, compiled, False, True, False)]
     results = run_gloo(_worker, 4, "llama", configs)
     _check(results, len(configs))
     assert results[0][1]["regathers"] > 0 and (compiled or results[0][3]["regathers"] == 0)
+    assert compiled or (results[0][4]["round_trips"] > 0 and results[0][5]["round_trips"] == 0)
     sharded = results[0][1]["params"]
     assert all("Shard(dim=0), Shard(dim=0)" in v for k, v in sharded.items() if k.endswith("weight"))
 
