@@ -64,7 +64,7 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
         loss.backward()
         if step == 0:
             ref.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        ref.losses.append(float(loss))
+        ref.losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()
     return ref
