@@ -3,8 +3,12 @@
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
+from conftest import expected_on_cpu
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 IO = (S0, R)  # batch-sharded inputs and outputs
@@ -131,6 +135,22 @@ def graph_report(plan, lowered) -> dict:
         "regathers": sum(
             1
             for n in lowered.backward.graph.nodes
-            if n.meta.get("autoplan_recompute") and getattr(n.target, "_opname", "") == "all_gather_into_tensor"
+            if n.meta.get(RECOMPUTE_KEY) and getattr(n.target, "_opname", "") == "all_gather_into_tensor"
         ),
     }
+
+
+def check_run(r: dict) -> None:
+    """Single-device numerics (losses, first-step gradients) and the plan's collectives in the graphs:
+    the joint graph has exactly the planned ones (fused chains counted once), and forward plus
+    backward add only the FSDP re-gathers."""
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+    bad = [n for n, ok in r["grads_ok"].items() if not ok]
+    assert not bad, bad
+    planned = expected_on_cpu(r["planned"])
+    if r["fused"]:
+        planned["all_gather"] -= r["fused"]
+    assert r["lowered"] == planned
+    fwd, bwd = r["forward"], r["backward"]
+    expected = {k: v + (r["regathers"] if k == "all_gather" else 0) for k, v in r["lowered"].items()}
+    assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in r["lowered"]} == expected

@@ -8,6 +8,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel
 from autoplan.models.llama3 import LlamaConfig
+from autoplan.tracing import PHASE_KEY
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -28,7 +29,7 @@ def forward_path(node):
     """Edges from a parameter through the views applied to it (``t``) to the forward op computing with it."""
     edges = []
     while True:
-        (user,) = [u for u in node.users if u.meta.get("autoplan_phase") == "forward"]
+        (user,) = [u for u in node.users if u.meta.get(PHASE_KEY) == "forward"]
         edges.append((node.name, user.name))
         if not getattr(user.target, "is_view", False):
             return edges

@@ -8,9 +8,19 @@ the plan.
 
 import pytest
 import torch
-from conftest import expected_on_cpu
 from gloo import run_gloo
-from parallel_run import FSDP, LLAMA_TP, MLP_TP, S0, R, graph_report, parallel_run, plan_and_apply, reference_run
+from parallel_run import (
+    FSDP,
+    LLAMA_TP,
+    MLP_TP,
+    S0,
+    R,
+    check_run,
+    graph_report,
+    parallel_run,
+    plan_and_apply,
+    reference_run,
+)
 from torch.distributed.tensor import Shard
 
 
@@ -20,11 +30,12 @@ def round_trip_pins(traced) -> list:
     import re
 
     from autoplan.passes.alias_roundtrip import ALIAS_KEY
+    from autoplan.tracing import PATH_KEY, PHASE_KEY
 
     pins = []
     for n in traced.gm.graph.nodes:
-        path = n.meta.get("autoplan_module_path", "")
-        residual = n.meta.get("autoplan_phase") == "forward" and not n.meta.get(ALIAS_KEY)
+        path = n.meta.get(PATH_KEY, "")
+        residual = n.meta.get(PHASE_KEY) == "forward" and not n.meta.get(ALIAS_KEY)
         if n.op == "call_function" and residual and re.fullmatch(r"layers\.\d+", path):
             pins += [(n.name, (S0, Shard(2)))] + [(a.name, (S0, R)) for a in n.users if a.meta.get(ALIAS_KEY)]
     return pins
@@ -51,16 +62,7 @@ def _check(results: list, n_configs: int) -> None:
     for rank_results in results:
         assert len(rank_results) == n_configs
         for r in rank_results:
-            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
-            bad = [n for n, ok in r["grads_ok"].items() if not ok]
-            assert not bad, bad
-            planned = expected_on_cpu(r["planned"])
-            if r["fused"]:
-                planned["all_gather"] -= r["fused"]
-            assert r["lowered"] == planned
-            fwd, bwd = r["forward"], r["backward"]
-            expected = {k: v + (r["regathers"] if k == "all_gather" else 0) for k, v in r["lowered"].items()}
-            assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in r["lowered"]} == expected
+            check_run(r)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
