@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import time
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.clustering import Clustering, find_repeats
+from autoplan.clustering import Clustering, find_repeats, untie
 from autoplan.constraints import ConstraintError, Pin
 from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
 from autoplan.evaluate import evaluate, expand_choice, memory_report
@@ -29,6 +30,7 @@ from autoplan.problem import allowed_strategies, build_problem
 from autoplan.runtime import build_parallel_module, make_executor
 from autoplan.strategies import Placements, StrategyBuilder, enumerate_strategies, is_valid
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
+from solvers import SolverTimeoutError
 
 
 def _check_mesh(mesh: Any) -> DeviceMesh:
@@ -299,18 +301,60 @@ class AutoParallel:
         plan.passes = applied.passes = _pass_report(plan, applied, trips, lowered)
         return pmod
 
+    def _solve(self, clustering: Clustering, strategies, cost_model: CostModel, time_limit: float | None, start=None):
+        """Build and solve the ILP for one clustering; returns the solve and every node's strategy."""
+        tg = self.traced
+        problem = build_problem(tg, clustering, strategies, cost_model, self._outputs, merge=self.merge_followers)
+        fixed, budgets = self._fixed_rows(problem), self._budget_rows(problem)
+        solved = solve_placement(
+            problem, fixed, budgets, time_limit=time_limit, backend=self.solver_backend, start=start
+        )
+        return problem, solved, expand_choice(tg, problem, solved.choice)
+
+    def _refine(self, clustering: Clustering, group: tuple[str, ...], chosen, cost_model, time_limit):
+        """Solve again with the layers of ``group`` deciding on their own.
+
+        Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
+        one layer plus the nodes outside repeated layers, which are free to meet the group halfway.
+        """
+        split = untie(clustering, group)
+        tied = {i for c in self.clustering.classes for i in c} - set(group)
+        strategies = {}
+        for n, r in split.rep.items():
+            own = self.strategies.get(self.clustering.rep[n])
+            if r is not n or own is None:
+                continue
+            fixed = split.instance.get(n, "") in tied
+            strategies[n] = dataclasses.replace(own, strategies=(chosen[n],)) if fixed else own
+        return split, self._solve(split, strategies, cost_model, time_limit, start=chosen)
+
     def optimize_placement(self) -> Plan:
+        """Solve for the cheapest plan under the constraints added so far.
+
+        Identical layers share decisions. The first and last layers are tied to the others for the
+        main solve, then each is re-solved on its own against the rest (``plan.ilp["refinements"]``):
+        their neighbours differ, so their best choices can too.
+        """
         tg = self._require_traced()
         t0 = time.perf_counter()
         cost_model = CostModel(self.mesh, self.device_profile)
-        problem = build_problem(
-            tg, self.clustering, self.strategies, cost_model, self._outputs, merge=self.merge_followers
-        )
-        fixed, budgets = self._fixed_rows(problem), self._budget_rows(problem)
+        problem, solved, chosen = self._solve(self.clustering, self.strategies, cost_model, self.time_limit)
         t1 = time.perf_counter()
-        solved = solve_placement(problem, fixed, budgets, time_limit=self.time_limit, backend=self.solver_backend)
+        clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
+        for group in self.clustering.boundary:
+            left = None if self.time_limit is None else self.time_limit - (time.perf_counter() - t0)
+            if left is not None and left <= 0:
+                break
+            try:
+                split, (_, step, step_chosen) = self._refine(clustering, group, chosen, cost_model, left)
+            except SolverTimeoutError:
+                break
+            gain = objective - step.objective_without_tie_break
+            kept = gain > 1e-9 * objective  # below that it is the tie-break trading cost for fewer changes
+            refinements.append(_refinement(group, step, gain, kept))
+            if kept:
+                clustering, objective, chosen = split, step.objective_without_tie_break, step_chosen
         t2 = time.perf_counter()
-        chosen = expand_choice(tg, problem, solved.choice)
         rules = {
             n: self.strategies[self.clustering.rep[n]].source
             for n in chosen
@@ -318,18 +362,19 @@ class AutoParallel:
         }
         ev = evaluate(tg, chosen, cost_model, self._outputs, rules)
         mesh_shape = tuple(self.mesh.shape)
-        if not math.isclose(ev.cost.total, solved.objective_without_tie_break, rel_tol=1e-6, abs_tol=1e-9):
+        if not math.isclose(ev.cost.total, objective, rel_tol=1e-6, abs_tol=1e-9):
             warnings.warn(
-                f"reduced ILP objective {solved.objective_without_tie_break:.6g}s differs from the expanded plan's"
+                f"reduced ILP objective {objective:.6g}s differs from the expanded plan's"
                 f" cost {ev.cost.total:.6g}s; the reported cost is the expanded one",
                 stacklevel=2,
             )
         t3 = time.perf_counter()
         timings = {
             **self.timings,
-            "costs": t1 - t0,
+            "costs": t1 - t0 - solved.build_time - solved.solve_time,
             "ilp_build": solved.build_time,
             "solve": solved.solve_time,
+            "refine": t2 - t1,
             "plan": t3 - t2,
         }
         return Plan(
@@ -349,10 +394,25 @@ class AutoParallel:
                 "n_dropped_strategies": solved.n_dropped,
                 "n_units": len(problem.units),
                 "n_merged": problem.n_merged,
-                "n_clustered": self.clustering.n_clustered,
+                "n_clustered": clustering.n_clustered,
                 "n_nodes": len(tg.gm.graph.nodes),
-                "objective": solved.objective_without_tie_break,
+                "objective": objective,
+                "refinements": refinements,
             },
             timings=timings,
-            layer_classes=[list(c) for c in self.clustering.classes],
+            layer_classes=[list(c) for c in clustering.classes],
         )
+
+
+def _refinement(group: tuple[str, ...], step, gain: float, kept: bool) -> dict:
+    """What re-solving one boundary group found (``gain``: seconds saved)."""
+    return {
+        "layers": list(group),
+        "n_vars": step.n_vars,
+        "n_rows": step.n_rows,
+        "status": step.result.status.value,
+        "gap": step.result.gap,
+        "solve_s": step.build_time + step.solve_time,
+        "gain_s": gain,
+        "kept": kept,
+    }

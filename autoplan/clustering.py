@@ -5,6 +5,12 @@ Nodes are grouped by layer instance (the module path up to its first numeric com
 identical (same ops, shapes, dtypes, constant args, and the same wiring inside the instance) form a
 class; every node of a clone is tied to the node at the same position in the class representative.
 An instance that differs from all others simply stays unclustered: correctness never depends on it.
+
+Identical layers are not always interchangeable: the first reads the embedding and its input
+gradient ends in the embedding backward, the last feeds the final norm. A class ties them to the
+middle layers anyway, so the ILP stays one layer's size, and lists them in ``boundary``: the
+planner then re-solves each such group on its own against the rest (``api.AutoParallel``). A class
+needs two layers in the same position (a middle); shorter stacks are not tied at all.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class Clustering:
     multiplicity: dict[fx.Node, int]  # representative -> how many nodes it stands for
     classes: tuple[tuple[str, ...], ...]  # instance ids per class of identical layers (representative first)
     instance: dict[fx.Node, str]  # node -> layer instance id ("" outside any repeated module)
+    # instances tied to a class although they sit elsewhere (first/last layer): refined on their own
+    boundary: tuple[tuple[str, ...], ...] = ()
 
     @property
     def n_clustered(self) -> int:
@@ -81,6 +89,22 @@ def _signature(nodes: list[fx.Node], rel_name: dict[fx.Node, str]) -> tuple:
     return tuple(sig)
 
 
+def _context(nodes: list[fx.Node], instance: dict[fx.Node, str], pattern_of: dict[str, str]) -> tuple:
+    """A layer's position: where each node's outside edges lead, to another layer or out of the stack."""
+    own = instance[nodes[0]]
+
+    def where(other: fx.Node) -> str:
+        inst = instance.get(other, "")
+        return "peer" if inst and pattern_of.get(inst) == pattern_of[own] else "out"
+
+    ctx = []
+    for n in nodes:
+        ins = sorted(where(a) for a in n.all_input_nodes if instance.get(a) != own)
+        outs = sorted(where(u) for u in n.users if u.op == "call_function" and instance.get(u) != own)
+        ctx.append((tuple(ins), tuple(outs)))
+    return tuple(ctx)
+
+
 def find_repeats(tg: TracedGraph) -> Clustering:
     paths = module_paths(tg)
     by_instance: dict[str, list[fx.Node]] = defaultdict(list)
@@ -103,21 +127,41 @@ def find_repeats(tg: TracedGraph) -> Clustering:
         found = instance_of(lab[1]) if isinstance(lab[1], str) else None
         rel_name[n] = f"{lab[0]}:{lab[1][len(found[0]) :] if found else lab[1]}"
 
-    groups: dict[tuple, list[str]] = defaultdict(list)
+    groups: dict[tuple, dict[tuple, list[str]]] = defaultdict(lambda: defaultdict(list))
     for inst, nodes in by_instance.items():
-        groups[(pattern_of[inst], _signature(nodes, rel_name))].append(inst)
+        groups[(pattern_of[inst], _signature(nodes, rel_name))][_context(nodes, instance, pattern_of)].append(inst)
 
-    rep = {n: n for n in tg.gm.graph.nodes}
-    mult = {n: 1 for n in tg.gm.graph.nodes}
-    classes = []
-    for members in groups.values():
-        if len(members) < 2:
+    order = {inst: i for i, inst in enumerate(by_instance)}
+    classes, boundary = [], []
+    for by_context in groups.values():
+        bulk = max(by_context.values(), key=len)
+        if len(bulk) < 2:  # no two layers in the same position (a stack of 2 or 3): nothing to share
             continue
-        classes.append(tuple(members))
-        head = by_instance[members[0]]
+        classes.append(tuple(sorted((i for g in by_context.values() for i in g), key=order.__getitem__)))
+        boundary += [tuple(g) for g in by_context.values() if g is not bulk]
+    return _tie(tg.gm.graph.nodes, instance, tuple(classes), tuple(boundary))
+
+
+def _tie(nodes, instance: dict[fx.Node, str], classes, boundary) -> Clustering:
+    """Every node of a class member shares the decisions of the node at its position in the first
+    member (in graph order, so strategies of the representative see their producers enumerated)."""
+    by_instance: dict[str, list[fx.Node]] = defaultdict(list)
+    for n, inst in instance.items():
+        by_instance[inst].append(n)
+    rep = {n: n for n in nodes}
+    for members in classes:
         for inst in members[1:]:
-            for r, n in zip(head, by_instance[inst]):
+            for r, n in zip(by_instance[members[0]], by_instance[inst]):
                 rep[n] = r
-                mult[r] += 1
-                mult[n] = 0
-    return Clustering(rep=rep, multiplicity=mult, classes=tuple(classes), instance=instance)
+    mult = {n: 0 for n in rep}
+    for r in rep.values():
+        mult[r] += 1
+    return Clustering(rep, mult, classes, instance, boundary)
+
+
+def untie(clustering: Clustering, group: tuple[str, ...]) -> Clustering:
+    """``clustering`` with the instances of ``group`` sharing decisions only among themselves."""
+    rest = [tuple(i for i in c if i not in group) for c in clustering.classes]
+    classes = tuple(c for c in [*rest, group] if len(c) > 1)
+    boundary = tuple(b for b in clustering.boundary if b != group)
+    return _tie(clustering.rep, clustering.instance, classes, boundary)

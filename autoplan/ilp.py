@@ -18,6 +18,7 @@ import numpy as np
 import torch.fx as fx
 
 from autoplan.problem import PlacementProblem
+from autoplan.strategies import Strategy
 from solvers import ModelBuilder, SolveResult, solve
 
 # The solver sees microseconds: step costs in seconds (~1e-5 per op) would sit at the level of
@@ -100,8 +101,10 @@ def _edge_rows(
     n_edge = 0
     true_costs = []
     for g in problem.edges:
-        finite = np.isfinite(g.cost)
-        oi, qi = np.nonzero(finite)
+        # only placement pairs some kept strategy on each side can produce get a variable
+        used_o = np.isin(np.arange(g.cost.shape[0]), g.src_label[kept[g.src]])
+        used_q = np.isin(np.arange(g.cost.shape[1]), g.dst_label[kept[g.dst]])
+        oi, qi = np.nonzero(np.isfinite(g.cost) & used_o[:, None] & used_q[None, :])
         cost = g.cost[oi, qi]
         e = b.add_vars(len(oi), cost=SCALE * cost + TIE_BREAK * g.changes[oi, qi], lb=0.0, ub=1.0, integer=False)
         n_edge += len(oi)
@@ -117,6 +120,23 @@ def _edge_rows(
     return n_edge, np.concatenate(true_costs) if true_costs else np.zeros(0)
 
 
+def _start_vector(
+    problem: PlacementProblem,
+    offsets: dict[fx.Node, int],
+    kept: dict[fx.Node, np.ndarray],
+    start: dict[fx.Node, Strategy],
+    n_cols: int,
+) -> np.ndarray | None:
+    """``start`` as values of the strategy columns, or ``None`` if some choice has no column."""
+    x = np.zeros(n_cols)
+    for u in problem.units:
+        hits = [j for j, i in enumerate(kept[u]) if problem.strategies[u][i] == start.get(u)]
+        if not hits:
+            return None
+        x[offsets[u] + hits[0]] = 1.0
+    return x
+
+
 def solve_placement(
     problem: PlacementProblem,
     fixed: list[FixedRows],
@@ -124,7 +144,9 @@ def solve_placement(
     time_limit: float | None = None,
     backend: str = "highs",
     mip_rel_gap: float = 1e-6,
+    start: dict[fx.Node, Strategy] | None = None,
 ) -> UnitChoice:
+    """The cheapest strategy per unit; ``start`` (a strategy per unit, e.g. an earlier plan's) seeds the search."""
     t0 = time.perf_counter()
     kept = undominated(problem, fixed, budgets)
     b = ModelBuilder("placement")
@@ -154,7 +176,8 @@ def solve_placement(
             out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + len(kept[u])]))] = 1.0
         return out
 
-    result = solve(model, backend=backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap, rounding=one_hot)
+    seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
+    result = solve(model, backend=backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap, rounding=one_hot, start=seed)
     t2 = time.perf_counter()
     x = result.x
     choice = {u: int(kept[u][np.argmax(x[offsets[u] : offsets[u] + len(kept[u])])]) for u in problem.units}

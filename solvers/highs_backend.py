@@ -108,6 +108,11 @@ def solve_highs(model: LinearModel, integral: bool, opts: SolverOptions) -> RawS
     if is_mip:
         cols = np.flatnonzero(model.integer).astype(np.int32)
         h.changeColsIntegrality(len(cols), cols, np.ones(len(cols), dtype=np.uint8))
+        if opts.start is not None:
+            start = highspy.HighsSolution()
+            start.col_value = opts.start
+            start.value_valid = True
+            h.setSolution(start)
     t1 = perf_counter()
     _run(highspy, h, opts)
     status, x, bound, hit_limit = _read(highspy, h, is_mip)

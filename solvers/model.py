@@ -74,8 +74,12 @@ class LinearModel:
 
     def with_integers_fixed(self, values: np.ndarray) -> LinearModel:
         """Same model with every integer column fixed to ``values`` (an LP over the continuous rest)."""
-        lb = np.where(self.integer, values, self.col_lb)
-        ub = np.where(self.integer, values, self.col_ub)
+        return self.with_fixed(self.integer, values)
+
+    def with_fixed(self, columns: np.ndarray, values: np.ndarray) -> LinearModel:
+        """Same model with the columns where ``columns`` is true fixed to ``values``."""
+        lb = np.where(columns, values, self.col_lb)
+        ub = np.where(columns, values, self.col_ub)
         return replace(self, col_lb=_frozen(lb, np.float64), col_ub=_frozen(ub, np.float64))
 
     def feasibility_model(self, active_groups: Iterable[str]) -> LinearModel:

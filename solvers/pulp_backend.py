@@ -84,6 +84,7 @@ def _cbc(integral: bool, opts: SolverOptions) -> pulp.PULP_CBC_CMD:
             timeLimit=opts.time_limit,
             gapRel=opts.mip_rel_gap if integral else None,
             threads=opts.threads,
+            warmStart=integral and opts.start is not None,
             options=list(_CBC_SEED_OPTIONS),
         )
 
@@ -109,7 +110,11 @@ def solve_cbc(model: LinearModel, integral: bool, opts: SolverOptions) -> RawSol
     """
     t0 = perf_counter()
     prob, xs = _build_pulp(model)
-    solver = _cbc(integral and model.n_integer > 0, opts)
+    is_mip = integral and model.n_integer > 0
+    if is_mip and opts.start is not None:
+        for v, value in zip(xs, opts.start):
+            v.setInitialValue(float(value))
+    solver = _cbc(is_mip, opts)
     t1 = perf_counter()
     prob.solve(solver)
     status, hit_limit = _status(prob)

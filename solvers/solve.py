@@ -119,17 +119,28 @@ def _result(
 
 
 def _finish(
-    model: LinearModel, backend: str, run: Backend, opts: SolverOptions, passes: list[RawSolution], lp_bound: float
+    model: LinearModel,
+    backend: str,
+    run: Backend,
+    opts: SolverOptions,
+    passes: list[RawSolution],
+    lp_bound: float,
+    best: tuple[np.ndarray, float] | None = None,
 ) -> SolveResult:
-    """Turn the final pass into a result, or raise for infeasibility / a fruitless time limit."""
+    """Turn the final pass into a result, or raise for infeasibility / a fruitless time limit.
+
+    ``best`` is a feasible point found before the last pass; it stands when that pass found nothing better.
+    """
     raw = passes[-1]
     if raw.status is SolveStatus.INFEASIBLE:
         raise _diagnose(model, run, opts)
-    if raw.status is SolveStatus.NO_SOLUTION and raw.hit_limit:
+    if raw.status is SolveStatus.NO_SOLUTION and raw.hit_limit and best is None:
         raise _timeout(model, backend, opts)
-    if raw.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
-        x = _rounded(model, raw.x)
-        objective = model.objective_value(x)
+    if raw.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE) or best is not None:
+        x, objective = best if best is not None else (None, math.inf)
+        if raw.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE) and model.objective_value(raw.x) <= objective:
+            x = _rounded(model, raw.x)
+            objective = model.objective_value(x)
         bound = max(raw.bound, lp_bound)
         tight = opts.mip_rel_gap <= OPTIMALITY_GAP or relative_gap(objective, bound) <= OPTIMALITY_GAP
         status = SolveStatus.OPTIMAL if raw.status is SolveStatus.OPTIMAL and tight else SolveStatus.FEASIBLE
@@ -139,24 +150,35 @@ def _finish(
     return _result(model, backend, passes, raw.status, x, objective, -math.inf)
 
 
-def _try_rounding(
-    model: LinearModel,
-    run: Backend,
-    opts: SolverOptions,
-    values: np.ndarray,
-    lp_bound: float,
-    passes: list[RawSolution],
+def _fix_and_search(
+    model: LinearModel, run: Backend, opts: SolverOptions, lp_x: np.ndarray, passes: list[RawSolution]
 ) -> tuple[np.ndarray, float] | None:
-    """Fix the integer columns to ``values``, re-solve the rest; keep it if it closes the gap."""
+    """A MIP over only the integer columns the LP left fractional, the others fixed at their LP value.
+
+    When the relaxation is integral almost everywhere (a budget row splitting a few choices) this
+    small MIP finds a near-optimal point in a fraction of the full search's time; it then seeds it.
+    """
+    settled = model.integer & (np.abs(lp_x - np.round(lp_x)) <= 1e-6)
+    if settled.sum() == model.n_integer:
+        return None
+    raw = run(model.with_fixed(settled, np.round(lp_x)), True, opts)
+    passes.append(raw)
+    if raw.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+        return None
+    x = _rounded(model, raw.x)
+    return x, model.objective_value(x)
+
+
+def _complete(
+    model: LinearModel, run: Backend, opts: SolverOptions, values: np.ndarray, passes: list[RawSolution]
+) -> tuple[np.ndarray, float] | None:
+    """Fix the integer columns to ``values`` and solve for the rest: a feasible point, or ``None``."""
     fixed = run(model.with_integers_fixed(np.round(values)), False, opts)
     passes.append(fixed)
     if fixed.status is not SolveStatus.OPTIMAL:
         return None
     x = _rounded(model, fixed.x)
-    objective = model.objective_value(x)
-    if relative_gap(objective, lp_bound) > max(opts.mip_rel_gap, OPTIMALITY_GAP):
-        return None
-    return x, objective
+    return x, model.objective_value(x)
 
 
 def solve(
@@ -168,6 +190,7 @@ def solve(
     threads: int | None = None,
     verbose: bool = False,
     rounding: Callable[[np.ndarray], np.ndarray] | None = None,
+    start: np.ndarray | None = None,
 ) -> SolveResult:
     """Minimise ``model``.
 
@@ -180,6 +203,8 @@ def solve(
     ``rounding`` maps a fractional LP solution to integer values for the integer columns (e.g. an
     argmax per one-hot group). The continuous rest is then re-optimised with those fixed; if that
     point is within ``mip_rel_gap`` of the LP bound it is provably good enough and the MIP is skipped.
+    ``start`` gives integer values known to be feasible (e.g. a previous plan), completed the same
+    way. The better of the two points is the MIP's starting incumbent.
     """
     name = _backend_name(backend)
     run = _BACKENDS[name]
@@ -187,6 +212,7 @@ def solve(
     started = perf_counter()
     passes: list[RawSolution] = []
     lp_bound = -math.inf
+    best: tuple[np.ndarray, float] | None = None
     if lp_first or model.n_integer == 0:
         lp = run(model, False, opts)
         passes.append(lp)
@@ -200,10 +226,16 @@ def solve(
             raise _timeout(model, name, opts)
         if lp.status is SolveStatus.OPTIMAL:
             lp_bound = lp.bound
-            if rounding is not None:
-                rounded = _try_rounding(model, run, _remaining(opts, started), rounding(lp.x), lp_bound, passes)
-                if rounded is not None:
-                    x, objective = rounded
-                    return _result(model, name, passes, SolveStatus.OPTIMAL, x, objective, lp_bound)
-    passes.append(run(model, True, _remaining(opts, started)))
-    return _finish(model, name, run, opts, passes, lp_bound)
+            guesses = ([rounding(lp.x)] if rounding is not None else []) + ([start] if start is not None else [])
+            points = [_complete(model, run, _remaining(opts, started), guess, passes) for guess in guesses]
+            points.append(_fix_and_search(model, run, _remaining(opts, started), lp.x, passes))
+            for point in points:
+                if point is not None and (best is None or point[1] < best[1]):
+                    best = point
+            if best is not None and relative_gap(best[1], lp_bound) <= max(mip_rel_gap, OPTIMALITY_GAP):
+                return _result(model, name, passes, SolveStatus.OPTIMAL, *best, lp_bound)
+    mip_opts = _remaining(opts, started)
+    if best is not None:
+        mip_opts = replace(mip_opts, start=best[0])
+    passes.append(run(model, True, mip_opts))
+    return _finish(model, name, run, opts, passes, lp_bound, best)

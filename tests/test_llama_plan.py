@@ -1,16 +1,18 @@
 """LLaMA-3 debug on a 2x4 mesh: plans are valid for DTensor, optimal against hand-written plans, and
 the reduced ILP prices exactly what the expanded plan costs."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from conftest import fake_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoplan import AutoParallel
 from autoplan.adapters.dtensor import make_spec, propagate_output_placements, tensor_meta
+from autoplan.clustering import find_repeats
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.strategies import _OWN_RULES
 
@@ -18,15 +20,16 @@ R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
 BATCH, SEQ = 8, 16
 
 
-def plan_llama(pins=(), memory_fraction=1 / 8, **kwargs):
-    """Plan LLaMA-3 debug with batch-sharded I/O, a parameter budget and optional pins."""
+def plan_llama(pins=(), memory_fraction=1 / 8, n_layers=2, **kwargs):
+    """Plan LLaMA-3 debug with batch-sharded I/O, a parameter budget (or none) and optional pins."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     with torch.device("meta"):
-        model = Transformer(LLAMA3_CONFIGS["debug"])
+        model = Transformer(dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=n_layers))
     with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, 256, (BATCH, SEQ)), **kwargs) as ap:
         ap.add_input_constraints([(S0, R)])
         ap.add_output_constraints([(S0, R)])
-        ap.add_memory_constraint(param_fraction=memory_fraction)
+        if memory_fraction is not None:
+            ap.add_memory_constraint(param_fraction=memory_fraction)
         for target, placements in pins:
             ap.add_node_constraint(target, placements)
         return ap.optimize_placement(), ap.traced, mesh
@@ -65,16 +68,52 @@ def test_reported_cost_is_the_expanded_cost(llama):
     assert math.isclose(plan.ilp["objective"], plan.cost.total, rel_tol=1e-9)
 
 
-def test_reductions_do_not_change_the_optimum(llama):
-    plan, _, _ = llama
-    unclustered, _, _ = plan_llama(cluster_layers=False)
-    unmerged, _, _ = plan_llama(merge_followers=False)
+def test_reductions_do_not_change_the_optimum():
+    # four layers: two middle ones share decisions, the first and last are re-solved on their own
+    plan, _, _ = plan_llama(memory_fraction=None, n_layers=4)
+    unclustered, _, _ = plan_llama(memory_fraction=None, n_layers=4, cluster_layers=False)
+    unmerged, _, _ = plan_llama(memory_fraction=None, n_layers=4, merge_followers=False)
     assert plan.ilp["n_clustered"] > 0 and plan.ilp["n_merged"] > 0
     assert unclustered.ilp["n_clustered"] == 0 and unmerged.ilp["n_merged"] == 0
-    # identical layers gain nothing from differing, and single-use views lose nothing by following
+    # identical layers in the same position gain nothing from differing, and single-use views lose
+    # nothing by following
     assert math.isclose(plan.cost.total, unclustered.cost.total, rel_tol=1e-6)
     assert math.isclose(plan.cost.total, unmerged.cost.total, rel_tol=1e-6)
-    assert plan.ilp["n_vars"] < unclustered.ilp["n_vars"]
+    assert plan.ilp["n_vars"] < unclustered.ilp["n_vars"] / 2
+    assert [r["layers"] for r in plan.ilp["refinements"]] == [["layers.0"], ["layers.3"]]
+
+
+@pytest.fixture(scope="module")
+def four_layers_budget():
+    return plan_llama(n_layers=4)
+
+
+def test_first_layer_is_refined_on_its_own(four_layers_budget):
+    """Under a parameter budget the first layer gains from differing: its input gradient ends in the
+    embedding backward, which takes a Partial sum the middle layers would have to reduce."""
+    plan, traced, _ = four_layers_budget
+    first, last = plan.ilp["refinements"]
+    assert first["layers"] == ["layers.0"] and first["kept"] and first["gain_s"] > 0 and first["status"] == "optimal"
+    assert last["layers"] == ["layers.3"] and not last["kept"]
+    assert "layers.0 (-" in plan.summary() and "layers.3 (no gain)" in plan.summary()
+    assert max(first["n_vars"], last["n_vars"]) < 1.1 * plan.ilp["n_vars"]
+    # layers.0 decides on its own now; the reported cost is the refined plan's
+    assert plan.layer_classes == [["layers.1", "layers.2", "layers.3"]]
+    assert math.isclose(plan.ilp["objective"], plan.cost.total, rel_tol=1e-9)
+    clustering = find_repeats(traced)
+    layer0, layer1 = (
+        [n for n in traced.gm.graph.nodes if clustering.instance.get(n) == i] for i in ("layers.0", "layers.1")
+    )
+    choice = lambda n: (plan.nodes[n.name].outputs, plan.nodes[n.name].inputs)  # noqa: E731
+    differs = [a for a, b in zip(layer0, layer1) if a.name in plan.nodes and choice(a) != choice(b)]
+    # the first layer keeps a gradient as a Partial sum where the middle layers reduce it
+    assert any(isinstance(p, Partial) for a in differs for p in plan.nodes[a.name].outputs[0] or ())
+
+
+@pytest.mark.slow
+def test_refined_plan_is_the_unclustered_optimum(four_layers_budget):
+    unclustered, _, _ = plan_llama(n_layers=4, cluster_layers=False)
+    assert math.isclose(four_layers_budget[0].cost.total, unclustered.cost.total, rel_tol=1e-6)
 
 
 FSDP = [("*.weight", (S0, S0))]

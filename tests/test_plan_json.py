@@ -110,7 +110,14 @@ def test_summary_groups_repeated_layers(plan):
     rows = [line.split() for line in text.splitlines()]
     wq_rows = [r for r in rows if r and r[0] == WQ]
     assert wq_rows == [[WQ, "S(0)S(0)", str(CFG.n_layers)]]
-    assert not [r for r in rows if r and r[0].startswith(("layers.0.", "layers.1."))]
+    # a layer's parameter gets its own row exactly when some copy is placed differently
+    own_rows = {r[0] for r in rows if r and r[0].startswith(("layers.0.", "layers.1."))}
+    differing = {
+        fqn
+        for fqn, pl in plan.param_placements.items()
+        if fqn.startswith("layers.") and pl != plan.param_placements["layers.0" + fqn[len("layers.N") :]]
+    }
+    assert own_rows == differing
     # every parameter is accounted for exactly once across the rows of the parameter table
     param_rows = [r for r in rows if len(r) == 3 and r[0].endswith((".weight", ".bias"))]
     assert sum(int(r[2]) for r in param_rows) == len(plan.param_placements)

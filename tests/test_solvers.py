@@ -17,6 +17,9 @@ from solvers import (
     solve,
     to_pulp,
 )
+from solvers.highs_backend import solve_highs
+from solvers.pulp_backend import solve_cbc
+from solvers.result import SolverOptions
 
 BACKENDS = ["highs", "cbc"]
 
@@ -96,6 +99,29 @@ def test_fractional_lp_falls_back_to_mip(backend):
     assert res.objective == pytest.approx(knapsack_brute_force())
     assert res.gap <= 1e-6
     assert set(np.unique(res.x)) <= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mip_start_is_the_incumbent_when_time_runs_out(backend):
+    """A feasible start (e.g. the previous plan) is what a search stopped at once still returns."""
+    run = {"highs": solve_highs, "cbc": solve_cbc}[backend]
+    model, _ = multi_knapsack()
+    start = np.zeros(model.n_cols)
+    start[:3] = 1.0
+    assert run(model, True, SolverOptions(time_limit=0.0)).status is SolveStatus.NO_SOLUTION
+    seeded = run(model, True, SolverOptions(time_limit=0.0, start=start))
+    assert seeded.status is SolveStatus.FEASIBLE
+    assert model.objective_value(seeded.x) <= model.objective_value(start)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_start_is_completed_and_never_beaten_by_a_worse_answer(backend):
+    model, _ = multi_knapsack(n=60, k=4)
+    start = np.zeros(model.n_cols)
+    start[:3] = 1.0
+    res = solve(model, backend=backend, start=start)
+    assert res.status is SolveStatus.OPTIMAL and res.objective <= model.objective_value(start)
+    assert res.objective == pytest.approx(solve(model, backend=backend).objective)
 
 
 def test_without_lp_first_the_mip_is_solved_directly():

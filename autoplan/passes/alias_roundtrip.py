@@ -46,18 +46,11 @@ def _reads(node: fx.Node) -> int:
 
 
 def _wants_alias(node: fx.Node) -> bool:
-    """Forward values (activations, parameters) read more than once, typically by the next ops and
-    again by the backward.
-
-    Gradients are left alone: on LLaMA-3 debug (2x4) a gradient alias at a layer boundary lets the
-    first layer, whose input gradient ends in the embedding backward, keep a Partial chain the other
-    layers cannot, so identical layers stop being interchangeable and clustering stops being exact;
-    the MIP also got 8x slower. Forward aliases give most of the gain (8B 16x8: -2.8% step cost vs
-    -3.3% with gradient aliases too).
-    """
+    """Tensor values read more than once: activations and parameters (read by the next ops and
+    again by the backward) and gradients (a layer's output gradient feeds the residual path and the
+    matmul backwards)."""
     return (
         node.op in ("placeholder", "call_function")
-        and node.meta.get(PHASE_KEY) == "forward"
         and isinstance(node.meta.get("val"), torch.Tensor)
         and not (node.op == "call_function" and node.target is ALIAS)
         and _reads(node) >= 2
