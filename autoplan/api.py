@@ -28,7 +28,7 @@ from autoplan.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_al
 from autoplan.plan import Plan, placements_str
 from autoplan.problem import allowed_strategies, build_problem
 from autoplan.runtime import build_parallel_module, make_executor
-from autoplan.strategies import Placements, StrategyBuilder, enumerate_strategies, is_valid
+from autoplan.strategies import NodeStrategies, Placements, Strategy, StrategyBuilder, enumerate_strategies, is_valid
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 from solvers import SolverTimeoutError
 
@@ -301,7 +301,14 @@ class AutoParallel:
         plan.passes = applied.passes = _pass_report(plan, applied, trips, lowered)
         return pmod
 
-    def _solve(self, clustering: Clustering, strategies, cost_model: CostModel, time_limit: float | None, start=None):
+    def _solve(
+        self,
+        clustering: Clustering,
+        strategies: dict[fx.Node, NodeStrategies],
+        cost_model: CostModel,
+        time_limit: float | None,
+        start: dict[fx.Node, Strategy] | None = None,
+    ):
         """Build and solve the ILP for one clustering; returns the solve and every node's strategy."""
         tg = self.traced
         problem = build_problem(tg, clustering, strategies, cost_model, self._outputs, merge=self.merge_followers)
@@ -311,7 +318,14 @@ class AutoParallel:
         )
         return problem, solved, expand_choice(tg, problem, solved.choice)
 
-    def _refine(self, clustering: Clustering, group: tuple[str, ...], chosen, cost_model, time_limit):
+    def _refine(
+        self,
+        clustering: Clustering,
+        group: tuple[str, ...],
+        chosen: dict[fx.Node, Strategy],
+        cost_model: CostModel,
+        time_limit: float | None,
+    ):
         """Solve again with the layers of ``group`` deciding on their own.
 
         Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
