@@ -72,10 +72,6 @@ class LinearModel:
         """Objective of ``x`` including the constant offset."""
         return float(self.cost @ x) + self.constant
 
-    def with_integers_fixed(self, values: np.ndarray) -> LinearModel:
-        """Same model with every integer column fixed to ``values`` (an LP over the continuous rest)."""
-        return self.with_fixed(self.integer, values)
-
     def with_fixed(self, columns: np.ndarray, values: np.ndarray) -> LinearModel:
         """Same model with the columns where ``columns`` is true fixed to ``values``."""
         lb = np.where(columns, values, self.col_lb)

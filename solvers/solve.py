@@ -136,11 +136,12 @@ def _finish(
         raise _diagnose(model, run, opts)
     if raw.status is SolveStatus.NO_SOLUTION and raw.hit_limit and best is None:
         raise _timeout(model, backend, opts)
-    if raw.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE) or best is not None:
-        x, objective = best if best is not None else (None, math.inf)
-        if raw.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE) and model.objective_value(raw.x) <= objective:
-            x = _rounded(model, raw.x)
-            objective = model.objective_value(x)
+    points = [best] if best is not None else []
+    if raw.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+        x = _rounded(model, raw.x)
+        points.insert(0, (x, model.objective_value(x)))  # first: the last pass wins ties
+    if points:
+        x, objective = min(points, key=lambda p: p[1])
         bound = max(raw.bound, lp_bound)
         tight = opts.mip_rel_gap <= OPTIMALITY_GAP or relative_gap(objective, bound) <= OPTIMALITY_GAP
         status = SolveStatus.OPTIMAL if raw.status is SolveStatus.OPTIMAL and tight else SolveStatus.FEASIBLE
@@ -150,34 +151,22 @@ def _finish(
     return _result(model, backend, passes, raw.status, x, objective, -math.inf)
 
 
-def _fix_and_search(
-    model: LinearModel, run: Backend, opts: SolverOptions, lp_x: np.ndarray, passes: list[RawSolution]
+def _point_with(
+    model: LinearModel,
+    run: Backend,
+    opts: SolverOptions,
+    columns: np.ndarray,
+    values: np.ndarray,
+    passes: list[RawSolution],
 ) -> tuple[np.ndarray, float] | None:
-    """A MIP over only the integer columns the LP left fractional, the others fixed at their LP value.
-
-    When the relaxation is integral almost everywhere (a budget row splitting a few choices) this
-    small MIP finds a near-optimal point in a fraction of the full search's time; it then seeds it.
-    """
-    settled = model.integer & (np.abs(lp_x - np.round(lp_x)) <= 1e-6)
-    if settled.sum() == model.n_integer:
-        return None
-    raw = run(model.with_fixed(settled, np.round(lp_x)), True, opts)
+    """Fix ``columns`` to ``values`` and solve for the rest (a MIP if integer columns stay free):
+    a feasible point and its objective, or ``None``."""
+    integral = bool(np.any(model.integer & ~columns))
+    raw = run(model.with_fixed(columns, np.round(values)), integral, opts)
     passes.append(raw)
     if raw.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
         return None
     x = _rounded(model, raw.x)
-    return x, model.objective_value(x)
-
-
-def _complete(
-    model: LinearModel, run: Backend, opts: SolverOptions, values: np.ndarray, passes: list[RawSolution]
-) -> tuple[np.ndarray, float] | None:
-    """Fix the integer columns to ``values`` and solve for the rest: a feasible point, or ``None``."""
-    fixed = run(model.with_integers_fixed(np.round(values)), False, opts)
-    passes.append(fixed)
-    if fixed.status is not SolveStatus.OPTIMAL:
-        return None
-    x = _rounded(model, fixed.x)
     return x, model.objective_value(x)
 
 
@@ -204,7 +193,8 @@ def solve(
     argmax per one-hot group). The continuous rest is then re-optimised with those fixed; if that
     point is within ``mip_rel_gap`` of the LP bound it is provably good enough and the MIP is skipped.
     ``start`` gives integer values known to be feasible (e.g. a previous plan), completed the same
-    way. The better of the two points is the MIP's starting incumbent.
+    way, and so is the LP rounded only where it is integral (the fractional rest searched). The
+    best point found is the MIP's starting incumbent.
     """
     name = _backend_name(backend)
     run = _BACKENDS[name]
@@ -226,14 +216,18 @@ def solve(
             raise _timeout(model, name, opts)
         if lp.status is SolveStatus.OPTIMAL:
             lp_bound = lp.bound
+            # integer points to complete, cheapest tries first: the rounded LP, the given start, then
+            # a small MIP over only the columns the LP left fractional (a budget row splitting a few
+            # choices), the others fixed at their LP value
+            settled = model.integer & (np.abs(lp.x - np.round(lp.x)) <= 1e-6)
             guesses = ([rounding(lp.x)] if rounding is not None else []) + ([start] if start is not None else [])
-            points = [_complete(model, run, _remaining(opts, started), guess, passes) for guess in guesses]
-            points.append(_fix_and_search(model, run, _remaining(opts, started), lp.x, passes))
-            for point in points:
+            tries = [(model.integer, g) for g in guesses] + [(settled, lp.x)]
+            for columns, values in tries:
+                point = _point_with(model, run, _remaining(opts, started), columns, values, passes)
                 if point is not None and (best is None or point[1] < best[1]):
                     best = point
-            if best is not None and relative_gap(best[1], lp_bound) <= max(mip_rel_gap, OPTIMALITY_GAP):
-                return _result(model, name, passes, SolveStatus.OPTIMAL, *best, lp_bound)
+                if best is not None and relative_gap(best[1], lp_bound) <= max(mip_rel_gap, OPTIMALITY_GAP):
+                    return _result(model, name, passes, SolveStatus.OPTIMAL, *best, lp_bound)
     mip_opts = _remaining(opts, started)
     if best is not None:
         mip_opts = replace(mip_opts, start=best[0])
