@@ -90,6 +90,13 @@ def nodes_of(tg: TracedGraph) -> dict[str, fx.Node]:
     return {n.name: n for n in tg.gm.graph.nodes}
 
 
+def rewired(placements: dict[str, tuple]):
+    """``with_alias`` planned as ``placements``, then rewired: (stats, nodes by name)."""
+    tg = traced(with_alias)
+    stats = rewire_aliases(tg.gm.graph, planned(tg, placements))
+    return stats, nodes_of(tg)
+
+
 def test_reads_wanting_the_producer_placement_skip_the_alias():
     tg = traced(with_alias)
     # the alias is placed B, but `mul` wants A (the producer's) for both of its reads: A -> B -> A twice
@@ -103,36 +110,25 @@ def test_reads_wanting_the_producer_placement_skip_the_alias():
 
 
 def test_x_plus_x_moves_only_the_read_that_wants_the_producer_placement():
-    tg = traced(with_alias)
-    plan = planned(tg, {"x": (A,), "relu": (A, A), "alias": (B, B), "mul": (A, A, B), "neg": (B, B)})
-    stats = rewire_aliases(tg.gm.graph, plan)
-    nodes = nodes_of(tg)
+    stats, nodes = rewired({"x": (A,), "relu": (A, A), "alias": (B, B), "mul": (A, A, B), "neg": (B, B)})
     assert stats.removed == 1 and nodes["mul"].args == (nodes["relu"], nodes["alias"])
 
 
 def test_a_consumer_wanting_a_third_placement_stays_on_the_alias():
-    tg = traced(with_alias)
-    plan = planned(tg, {"x": (A,), "relu": (A, A), "alias": (B, B), "mul": (A, A, A), "neg": (C, C)})
-    stats = rewire_aliases(tg.gm.graph, plan)
-    nodes = nodes_of(tg)
+    stats, nodes = rewired({"x": (A,), "relu": (A, A), "alias": (B, B), "mul": (A, A, A), "neg": (C, C)})
     assert stats.removed == 2 and stats.aliases_dropped == 0
     assert nodes["neg"].args == (nodes["alias"],)
 
 
 def test_alias_without_readers_left_is_erased():
-    tg = traced(with_alias)
-    plan = planned(tg, {"x": (A,), "relu": (A, A), "alias": (B, B), "mul": (A, A, A), "neg": (A, A)})
-    stats = rewire_aliases(tg.gm.graph, plan)
+    stats, nodes = rewired({"x": (A,), "relu": (A, A), "alias": (B, B), "mul": (A, A, A), "neg": (A, A)})
     assert stats.removed == 3 and stats.aliases_dropped == 1
-    assert "alias" not in nodes_of(tg)
+    assert "alias" not in nodes
 
 
 def test_noop_alias_loses_every_reader_and_is_erased():
-    tg = traced(with_alias)
     # placed like its producer: no round trip, but the alias does nothing, even for the C reader
-    plan = planned(tg, {"x": (A,), "relu": (A, A), "alias": (A, A), "mul": (A, A, A), "neg": (C, C)})
-    stats = rewire_aliases(tg.gm.graph, plan)
-    nodes = nodes_of(tg)
+    stats, nodes = rewired({"x": (A,), "relu": (A, A), "alias": (A, A), "mul": (A, A, A), "neg": (C, C)})
     assert stats.removed == 0 and stats.aliases_dropped == 1
     assert "alias" not in nodes and nodes["neg"].args == (nodes["relu"],)
 
@@ -140,10 +136,10 @@ def test_noop_alias_loses_every_reader_and_is_erased():
 def test_remove_round_trips_works_on_a_copy_and_reprices_the_plan():
     tg = traced(with_alias)
     plan = planned(tg, {"x": (A,), "relu": (A, A), "alias": (B, B), "mul": (A, A, A), "neg": (A, A)})
-    out, rewired, stats = remove_round_trips(tg, plan, cost_model(), {})
+    out, repriced, stats = remove_round_trips(tg, plan, cost_model(), {})
     assert stats.removed == 3 and stats.aliases_dropped == 1
     assert "alias" in nodes_of(tg) and "alias" in plan.nodes  # the planned graph and plan are untouched
-    assert "alias" not in nodes_of(out) and "alias" not in rewired.nodes
+    assert "alias" not in nodes_of(out) and "alias" not in repriced.nodes
     # before: A -> B into the alias, B -> A for each of the three reads; after: nothing moves
     assert [(r.consumer, r.src, r.dst) for r in plan.redistributions] == [
         ("alias", A, B),
@@ -151,8 +147,8 @@ def test_remove_round_trips_works_on_a_copy_and_reprices_the_plan():
         ("mul", B, A),
         ("neg", B, A),
     ]
-    assert rewired.redistributions == [] and rewired.cost.total < plan.cost.total
-    assert rewired.collective_counts() == {} and plan.collective_counts()["all_gather"] == 1
+    assert repriced.redistributions == [] and repriced.cost.total < plan.cost.total
+    assert repriced.collective_counts() == {} and plan.collective_counts()["all_gather"] == 1
 
 
 def test_aliases_follow_values_read_more_than_once():
