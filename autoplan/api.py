@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.adapters.dtensor import tensor_meta
+from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats, untie
 from autoplan.constraints import ConstraintError, Pin
 from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
@@ -28,7 +29,15 @@ from autoplan.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_al
 from autoplan.plan import Plan, placements_str
 from autoplan.problem import allowed_strategies, build_problem
 from autoplan.runtime import build_parallel_module, make_executor
-from autoplan.strategies import NodeStrategies, Placements, Strategy, StrategyBuilder, enumerate_strategies, is_valid
+from autoplan.strategies import (
+    NodeStrategies,
+    Placements,
+    Strategy,
+    StrategyBuilder,
+    enumerate_strategies,
+    is_valid,
+    output_vals,
+)
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 from solvers import SolverTimeoutError
 
@@ -80,6 +89,10 @@ class AutoParallel:
 
     Use as a context manager: entering traces the model (on fake tensors) and enumerates
     strategies, constraints are then added, and ``optimize_placement`` solves the ILP.
+    ``attention`` picks the kernel ``F.scaled_dot_product_attention`` traces to: ``"auto"`` (what
+    the target GPU runs: flash for fp16/bf16 without a mask, else memory-efficient), ``"flash"``,
+    ``"efficient"``, ``"cudnn"``, ``"math"`` or ``"cpu"`` (the host's kernel; CPU meshes only).
+    Plans with GPU kernels still run on a CPU mesh: lowering computes them with the CPU kernel.
     """
 
     def __init__(
@@ -95,9 +108,11 @@ class AutoParallel:
         merge_followers: bool = True,
         solver_backend: str = "highs",
         time_limit: float | None = None,
+        attention: str = "auto",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.attention = check_attention_option(attention)
         self.model = model
         self.mesh = _check_mesh(mesh)
         self.input_fn = input_fn
@@ -119,7 +134,9 @@ class AutoParallel:
 
     def __enter__(self) -> AutoParallel:
         t0 = time.perf_counter()
-        self.traced = trace_joint(self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type)
+        self.traced = trace_joint(
+            self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
+        )
         ta = time.perf_counter()
         self.aliases = insert_aliases(self.traced)
         t1 = time.perf_counter()
@@ -178,14 +195,15 @@ class AutoParallel:
     def add_node_constraint(self, target: fx.Node | str, placements: Sequence) -> None:
         """Pin the output placements of a node, a parameter FQN or a module's forward output (globs allowed).
 
-        Repeated layers share decisions, so pinning a node of one layer pins its copies too.
+        Repeated layers share decisions, so pinning a node of one layer pins its copies too. A node
+        with several outputs (an attention kernel) is pinned by its first output.
         """
         name = target.name if isinstance(target, fx.Node) else str(target)
         nodes = self._pin_targets(name)
         if not nodes:
             raise ConstraintError(f"node constraint {name!r} matches no node, parameter or module")
         for n in nodes:
-            self._check_placements(f"node constraint {name!r} ({n.name})", n.meta["val"], placements)
+            self._check_placements(f"node constraint {name!r} ({n.name})", output_vals(n)[0], placements)
         self._pins.append(Pin(name, tuple(placements)))
 
     def add_memory_constraint(self, param_fraction: float | None = None, bytes_per_device: float | None = None) -> None:

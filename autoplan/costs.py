@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -18,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry
 
+from autoplan import attention
 from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_steps, shard_dim
 
 aten = torch.ops.aten
@@ -237,45 +237,37 @@ def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: Device
 # ---------------------------------------------------------------------------------------------- FLOPs
 
 
-def _sdpa_cpu_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], is_causal: bool) -> float:
-    """QK^T plus PV (2*b*h*s_q*s_kv*(d_qk + d_v)); a causal mask skips about half the blocks on GPU kernels."""
+def _sdpa_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], is_causal: bool) -> float:
+    """QK^T plus PV (2*b*h*s_q*s_kv*(d_qk + d_v)); a causal mask skips about half the blocks.
+
+    ``h`` is the query heads: with grouped-query attention every query head still multiplies
+    against a full key/value sequence, whatever the number of key/value heads.
+    """
     b, h, s_q, d_qk = q_shape
     s_kv, d_v = k_shape[-2], v_shape[-1]
     flops = 2 * b * h * s_q * s_kv * (d_qk + d_v)
     return flops / 2 if is_causal else flops
 
 
-def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str, default: Any) -> Any:
-    return args[index] if len(args) > index else kwargs.get(name, default)
-
-
-def _sdpa_cpu_fwd_flops(args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
-    q, k, v = args[:3]
-    return _sdpa_cpu_flops(q.shape, k.shape, v.shape, bool(_arg(args, kwargs, 4, "is_causal", False)))
-
-
-def _sdpa_cpu_bwd_flops(args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
-    """Flash backward recomputes the scores and runs four more GEMMs: 5 GEMMs against the forward's 2."""
-    q, k, v = args[1:4]
-    return 2.5 * _sdpa_cpu_flops(q.shape, k.shape, v.shape, bool(_arg(args, kwargs, 7, "is_causal", False)))
-
-
-# Ops torch.utils.flop_counter has no formula for; read-only so nothing can register into it at runtime.
-_EXTRA_FLOP_FORMULAS: Mapping[Any, Callable[[Sequence[Any], Mapping[str, Any]], float]] = MappingProxyType(
-    {
-        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_fwd_flops,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd_flops,
-    }
-)
+def _sdpa_kernel_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
+    """Forward: 2 GEMMs. Backward (flash-style) recomputes the scores and runs four more: 2.5x the forward."""
+    spec = attention.SDPA_OPS[op]
+    q, k, v = (spec.arg(args, kwargs, role) for role in ("query", "key", "value"))
+    flops = _sdpa_flops(q.shape, k.shape, v.shape, attention.is_causal(spec, args, kwargs))
+    return 2.5 * flops if spec.backward else flops
 
 
 def node_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> float:
-    """Global FLOPs of one aten call; works on fake/meta tensors since only shapes are read; 0 without a formula."""
+    """Global FLOPs of one aten call; works on fake/meta tensors since only shapes are read; 0 without a formula.
+
+    Attention kernels use autoplan's formula even where torch's flop counter has one: that one
+    ignores the causal mask, which halves the work.
+    """
+    if op in attention.SDPA_OPS:
+        return float(_sdpa_kernel_flops(op, args, kwargs))
     packet = op.overloadpacket
     if packet in flop_registry:
         return float(flop_registry[packet](*args, **kwargs, out_val=out))
-    if packet in _EXTRA_FLOP_FORMULAS:
-        return float(_EXTRA_FLOP_FORMULAS[packet](args, kwargs))
     return 0.0
 
 

@@ -24,12 +24,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from autoplan import attention
 from autoplan.adapters.dtensor import local_shape, redistribute
+from autoplan.costs import local_shape as even_local_shape
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.plan import Plan, placements_str
 from autoplan.strategies import Placements
-from autoplan.tracing import PHASE_KEY, TracedGraph, forward_nodes
+from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 
 aten = torch.ops.aten
 COLLECTIVES = {
@@ -100,10 +102,94 @@ def _to(value, placements: Placements | None, coordinate: torch.Tensor):
     return value if value.placements == tuple(placements) else redistribute(value, placements, coordinate)
 
 
+def _local_lengths(spec: attention.SdpaOp, args, kwargs) -> tuple[list, dict]:
+    """A kernel call with the sequence lengths (``max_q``/``max_k``) of the local shards: the
+    traced call baked in the global ones."""
+    args, kwargs = list(args), dict(kwargs)
+    q, k = spec.arg(args, kwargs, "query"), spec.arg(args, kwargs, "key")
+    for role, length in (("max_q", q.shape[2]), ("max_k", k.shape[2])):
+        i = spec.position(role)
+        if i is not None and i < len(args):
+            args[i] = length
+        elif i is not None:
+            kwargs[spec.arg_names[role]] = length
+    return args, kwargs
+
+
+def _kernel_lse(lse: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The host's logsumexp (b, h, s) in a GPU kernel's layout: padded along the sequence
+    (efficient: to a multiple of 32) or with a trailing unit dim (cuDNN)."""
+    if lse.shape[2] != shape[2]:
+        lse = torch.nn.functional.pad(lse, (0, shape[2] - lse.shape[2]))
+    return lse.reshape(shape)
+
+
+def _host_lse(lse: torch.Tensor, seq: int) -> torch.Tensor:
+    """A GPU kernel's logsumexp back to the host's (b, h, s) layout."""
+    return lse.reshape(*lse.shape[:3])[..., :seq].contiguous()
+
+
+def _gpu_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into the dim order of ``like`` (the GPU kernel's output): the planned graph's
+    later views were traced against that layout, while the host's follows its (runtime) inputs."""
+    order = sorted(range(like.ndim), key=lambda d: -like.stride(d))
+    inverse = sorted(range(like.ndim), key=order.__getitem__)
+    return t.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
+
+
+def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: DeviceMesh, outputs: tuple) -> tuple:
+    """A GPU attention kernel computed by its CPU twin on the local shards, in the GPU kernel's output
+    layout. The values only a GPU makes (RNG state, seeds, debug masks) are zeros that nothing reads:
+    without dropout the backward needs none of them."""
+    where = f"{node.name} ({node.target}, module {node.meta.get(PATH_KEY) or '<top level>'})"
+    if values.get("dropout_p"):
+        raise LoweringError(f"{where}: attention dropout draws GPU random numbers; it cannot run on a CPU mesh")
+    twin = attention.HOST_TWIN[spec.op]
+    common = {r: values[r] for r in ("query", "key", "value", "is_causal", "scale")}
+    common |= {"bias": values.get("bias"), "dropout_p": 0.0}
+    if spec.backward:
+        mask = values.get("grad_input_mask")
+        if mask is not None and mask[3]:
+            raise LoweringError(f"{where}: the CPU kernel has no gradient for an attention bias")
+        lse = _host_lse(values["lse"], values["query"].shape[2])
+        grads = twin.call({**common, "grad_out": values["grad_out"], "out": values["out"], "lse": lse})
+        grads = [_gpu_layout(g, like) for g, like in zip(grads, node.meta["val"])]
+        return (*grads, *(None for _ in spec.output_roles[len(grads) :]))
+    vals = node.meta["val"]
+    out, lse = twin.call(common)
+    out = _gpu_layout(out, vals[spec.output("out")])
+    made = {"out": out, "max_q": values["query"].shape[2], "max_k": values["key"].shape[2]}
+    result = []
+    for i, role in enumerate(spec.output_roles):
+        val = vals[i]
+        shape = even_local_shape(val.shape, outputs[i], mesh.shape) if isinstance(val, torch.Tensor) else None
+        if role == "lse":
+            result.append(_kernel_lse(lse, shape))
+        elif role in made:
+            result.append(made[role])
+        elif isinstance(val, torch.Tensor):
+            result.append(torch.zeros(shape, dtype=val.dtype, device=out.device))
+        else:
+            result.append(val)
+    return tuple(result)
+
+
 def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, outputs: tuple):
-    """Ops DTensor has no rule for (ours, or replicate-only fallbacks): run on the local shards."""
+    """Ops DTensor has no rule for (ours, or replicate-only fallbacks): run on the local shards.
+
+    GPU attention kernels run as themselves on a GPU mesh and through their CPU twin on a CPU mesh.
+    """
     unwrap = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
-    result = node.target(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    args, kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+    spec = attention.spec_of(node.target)
+    if spec is None or spec.backend == "cpu":
+        result = node.target(*args, **kwargs)
+    elif mesh.device_type == "cpu":
+        values = {role: spec.arg(args, kwargs, role) for role in spec.arg_names}
+        result = _run_host_twin(node, spec, values, mesh, outputs)
+    else:
+        args, kwargs = _local_lengths(spec, args, kwargs)
+        result = node.target(*args, **kwargs)
     flat, spec = tree_flatten(result)
     vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
     wrapped = [

@@ -1,7 +1,7 @@
 """Per-node sharding strategies on an N-D mesh.
 
 A strategy fixes the placements of a node's outputs and the placements it expects for each tensor
-input. Sources, in order: autoplan's own rules (ops DTensor lacks, e.g. CPU flash attention),
+input. Sources, in order: autoplan's own rules (attention kernels, see ``_OWN_RULES``),
 DTensor's single-mesh-dim rules expanded to N-D as a product over mesh dims, DTensor's full N-D
 rules, and finally a replicate-only fallback that warns (or raises in strict mode).
 """
@@ -18,8 +18,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autoplan import attention
 from autoplan.adapters import dtensor as dt
 from autoplan.tracing import PATH_KEY
 
@@ -105,19 +107,68 @@ def _product_rows(rows: Sequence[tuple], n_out: int, mesh_ndim: int) -> list[Str
     return out
 
 
-def _sdpa_rows(n_out: int, n_in: int) -> list[tuple]:
-    """Batch- and head-parallel attention: every 4-D tensor (and the 3-D logsumexp) sharded alike."""
-    rows = [tuple([Replicate()] * (n_out + n_in))]
-    for d in (0, 1):
-        rows.append(tuple([Shard(d)] * (n_out + n_in)))
-    return rows
+def _follow(val: torch.Tensor, dim: int, size: int, broadcast: Placement) -> Placement:
+    """A tensor broadcast against the 4-D attention scores (a bias, its gradient) on split dim ``dim``:
+    sharded alike where it has that dim, else ``broadcast`` (Replicate for the bias, Partial for its
+    gradient, which sums over the broadcast rows)."""
+    d = dim - (4 - val.ndim)
+    return Shard(d) if d >= 0 and val.shape[d] == size != 1 else broadcast
 
 
-# Ops DTensor has no rule for, keyed by op, giving single-mesh-dim rows (out..., in...).
-_OWN_RULES: dict[torch._ops.OpOverload, Callable[[int, int], list[tuple]]] = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_rows,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_rows,
-}
+def _sdpa_row(
+    spec: attention.SdpaOp, dim: int | None, query: torch.Tensor, outs: Sequence, ins: Sequence, roles: Sequence[str]
+) -> tuple:
+    """One single-mesh-dim row (out..., in...): split ``dim`` (0 batch, 1 heads, 2 query sequence) or
+    replicate everything (``None``). Keys and values keep their sequence whole (only queries split),
+    so their gradients are partial sums over the local query block. Small tensors with neither a
+    batch nor a head dim (RNG seeds and offsets, rng_state) stay replicated."""
+    rep = Replicate()
+
+    def place(role: str, val, is_output: bool) -> Placement | None:
+        if not isinstance(val, torch.Tensor):
+            return None if is_output else rep
+        if dim is None:
+            return rep
+        if role in ("query", "out", "grad_out", "lse", "grad_query"):
+            return Shard(dim)
+        if role in ("key", "value", "grad_key", "grad_value"):
+            return Shard(dim) if dim < 2 else (Partial() if is_output else rep)
+        if role in ("bias", "grad_bias"):
+            return _follow(val, dim, query.shape[dim], Partial() if is_output else rep)
+        return rep
+
+    return (
+        *(place(r, v, True) for r, v in zip(spec.output_roles, outs)),
+        *(place(r, v, False) for r, v in zip(roles, ins)),
+    )
+
+
+def _sdpa_rows(node: fx.Node) -> list[tuple]:
+    """Batch-, head- and (where valid) query-sequence-parallel attention, for every SDPA kernel.
+
+    Heads: grouped-query keys/values with fewer heads split their head dim too; contiguous head
+    blocks keep each query head with its key/value head whenever both head counts divide (the
+    shape check in ``_filter`` drops the rest). Query sequence: not with a causal mask (a local
+    query block would be masked as if it started at row 0) nor with a logsumexp whose sequence dim
+    is padded (efficient attention rounds it up to 32).
+    """
+    spec = attention.spec_of(node.target)
+    roles = [r for r, a in attention.argument_roles(spec, node.args, node.kwargs) if isinstance(a, fx.Node)]
+    ins = [a.meta.get("val") for a in tensor_inputs(node)]
+    outs = output_vals(node)
+    query = spec.arg(node.args, node.kwargs, "query").meta["val"]
+    lse = outs[spec.output("lse")] if spec.output("lse") is not None else ins[roles.index("lse")]
+    dims: list[int | None] = [None, 0, 1]
+    if not attention.is_causal(spec, node.args, node.kwargs) and lse.shape[2] == query.shape[2]:
+        dims.append(2)
+    return [_sdpa_row(spec, d, query, outs, ins, roles) for d in dims]
+
+
+# Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...).
+# DTensor's GPU attention rules cannot take the RNG and integer values their backward reads.
+_OWN_RULES: dict[torch._ops.OpOverload, Callable[[fx.Node], list[tuple]]] = dict.fromkeys(
+    attention.SDPA_OPS, _sdpa_rows
+)
 
 
 def _meta_args(node: fx.Node):
@@ -226,7 +277,7 @@ class StrategyBuilder:
         n_out = len(output_vals(node))
         rep = (Replicate(),) * n_out + (Replicate(),) * n_in
         if op in _OWN_RULES:
-            rows, source = _OWN_RULES[op](n_out, n_in), "autoplan"
+            rows, source = _OWN_RULES[op](node), "autoplan"
             return self._finish(node, _product_rows(rows, n_out, len(self.mesh_shape)), source)
         if isinstance(op, torch._ops.OpOverload):
             args_meta, kwargs_meta = _meta_args(node)

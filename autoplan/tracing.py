@@ -16,13 +16,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from autoplan import attention as attn
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 
+aten = torch.ops.aten
 PATH_KEY = "autoplan_module_path"
 PHASE_KEY = "autoplan_phase"
 
@@ -120,6 +124,84 @@ def _record_module_paths(root: nn.Module):
     finally:
         for h in handles:
             h.remove()
+
+
+def _current_module_path() -> str:
+    """The innermost module whose forward is running (kept by ``_record_module_paths``)."""
+    stack = fx_traceback.current_meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+def _additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An ``attn_mask`` as the kernels' additive bias: boolean masks keep True, drop False (-inf)."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros_like(mask, dtype=dtype).masked_fill(mask.logical_not(), float("-inf"))
+
+
+def _sdpa_kernel_call(
+    option: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as one aten kernel, so the graph holds what a GPU runs.
+
+    Flash takes grouped-query keys/values as they are; efficient and cuDNN get them repeated to the
+    query's head count, as torch does. Masks become the kernels' additive bias, expanded to the
+    scores' 4-D shape.
+    """
+    where = _current_module_path()
+    at = f"(module {where or '<top level>'})"
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        if option == "auto":
+            option = "math"  # torch's fused kernels all need 4-D inputs; a GPU runs these on the math path
+        elif option != "math":
+            raise ValueError(f"attention={option!r} needs 4-D (batch, heads, seq, head_dim) inputs {at}")
+    if attn_mask is not None and is_causal:
+        raise ValueError(f"scaled_dot_product_attention got both an attn_mask and is_causal=True {at}")
+    if key.shape[-3] != query.shape[-3] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[-3]} heads, key/value {key.shape[-3]}: pass enable_gqa=True {at}")
+    backend = attn.choose_backend(option, query.dtype, query.shape[-1], attn_mask is not None, where)
+    if backend == "math":
+        math = aten._scaled_dot_product_attention_math
+        return math(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    if backend == "flash":
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    if key.shape[-3] != query.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
+    bias = None
+    if attn_mask is not None:
+        scores = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        bias = _additive_bias(attn_mask, query.dtype).expand(scores)
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    kernel = attn.FORWARD_KERNELS[backend].op
+    return kernel(query, key, value, bias, lse, dropout_p, is_causal, scale=scale)[0]
+
+
+class _AttentionKernels(TorchFunctionMode):
+    """While tracing, ``F.scaled_dot_product_attention`` calls the aten kernel ``option`` picks."""
+
+    def __init__(self, option: str):
+        super().__init__()
+        self.option = option
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _sdpa_kernel_call(self.option, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _attention_mode(option: str) -> contextlib.AbstractContextManager:
+    """``"cpu"`` leaves attention to the host's own dispatch (a CPU mesh traces the CPU flash op)."""
+    return contextlib.nullcontext() if option == "cpu" else _AttentionKernels(option)
 
 
 def _deepest_path(node: fx.Node) -> str:
@@ -261,23 +343,31 @@ def trace_joint(
     input_fn: Callable[[], Any],
     loss_fn: Callable | None = None,
     device: torch.device | str = "cpu",
+    attention: str = "auto",
 ) -> TracedGraph:
     """Trace ``loss_fn(model(*input_fn()))`` (or the model's outputs) forward and backward on fake tensors.
 
     The fast path traces autograd directly; models that mutate tensors in place are re-traced
-    through functorch's functionalizing joint export instead.
+    through functorch's functionalizing joint export instead. ``attention`` picks the kernel
+    ``F.scaled_dot_product_attention`` traces to (see ``autoplan.attention.choose_backend``):
+    ``"auto"`` what a CUDA GPU runs, ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``
+    (decomposed), or ``"cpu"`` (the host's own choice, on a CPU mesh).
     """
+    attn.check_option(attention)
     device = torch.device(device)
+    if attention == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention='cpu' traces the host's CPU kernel and needs a CPU mesh, not {device.type!r}")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn)
     args = make_fake_inputs(input_fn, fake_mode, device)
     joint = None
-    with fx_traceback.preserve_node_meta(), _record_module_paths(wrapper):
+    with fx_traceback.preserve_node_meta(), _record_module_paths(wrapper), _attention_mode(attention):
         gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
     if _mutating_ops(gm):
         with contextlib.ExitStack() as stack:
             stack.enter_context(fx_traceback.preserve_node_meta())
             stack.enter_context(_record_module_paths(wrapper))
+            stack.enter_context(_attention_mode(attention))
             gm, in_labels, out_labels, joint = export_joint(stack, wrapper, args)
         out_labels = _drop_empty_outputs(gm, out_labels)
     for node in gm.graph.nodes:

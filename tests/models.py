@@ -1,6 +1,7 @@
 """Small models shared by the tests."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autoplan.models.llama3 import LlamaConfig, TransformerBlock, rope_tables
@@ -67,3 +68,28 @@ class WeightNormMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x)))
+
+
+class SelfAttention(nn.Module):
+    """Self-attention on (batch, seq, dim) with grouped-query keys/values (``enable_gqa``), causal or
+    not, optionally under a sliding-window boolean mask (a buffer) when ``window`` is given."""
+
+    def __init__(
+        self, dim: int = 64, heads: int = 8, kv_heads: int = 4, seq: int = 32, causal: bool = True, window=None
+    ):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.causal = heads, kv_heads, dim // heads, causal
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        pos = torch.arange(seq)
+        self.register_buffer("mask", None if window is None else (pos[:, None] - pos[None, :]).abs() < window)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))

@@ -30,7 +30,7 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 def make(name: str, batch_rows: int = 4):
-    from models import MLP, TiedLM, WeightNormMLP
+    from models import MLP, SelfAttention, TiedLM, WeightNormMLP
 
     from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
@@ -43,6 +43,10 @@ def make(name: str, batch_rows: int = 4):
         return (lambda: MLP(32, 64, 32)), (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
     if name == "weightnorm":
         return WeightNormMLP, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
+    if name in ("attention_causal", "attention_masked"):  # masked: a non-causal sliding window
+        masked = name == "attention_masked"
+        build = lambda: SelfAttention(causal=not masked, window=8 if masked else None)  # noqa: E731
+        return build, (lambda g: torch.randn(batch_rows, 32, 64, generator=g))
     raise ValueError(name)
 
 
@@ -74,16 +78,17 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
     return ref
 
 
-def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, **apply_options):
+def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", **apply_options):
     """Plan ``name`` on ``mesh`` (batch-sharded I/O, optional pins: a list, or a function of the
-    traced graph giving one) and build the parallel module. Returns the plan as lowered (after
-    round-trip removal, with the pass report), the lowered graphs and the module."""
+    traced graph giving one; ``attention`` picks the attention kernel) and build the parallel module.
+    Returns the plan as lowered (after round-trip removal, with the pass report), the lowered graphs
+    and the module."""
     from autoplan import AutoParallel
 
     build, batch_fn = make(name, batch_rows)
     with torch.device("meta"):
         model = build()
-    with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator())) as ap:
+    with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator()), attention=attention) as ap:
         ap.add_input_constraints([IO])
         ap.add_output_constraints([IO])
         for target, placements in pins(ap.traced) if callable(pins) else pins:
