@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats, untie
+from autoplan.compile import RegionStats, compile_regions
 from autoplan.constraints import ConstraintError, Pin
 from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
 from autoplan.evaluate import evaluate, expand_choice, memory_report
@@ -285,6 +286,7 @@ class AutoParallel:
         reshard_after_forward: bool = True,
         fuse_gathers: bool = True,
         remove_round_trips: bool = True,
+        compile: bool = False,
     ) -> nn.Module:
         """The parallel module for ``plan``: DTensor parameters, the lowered graphs in forward/backward.
 
@@ -296,6 +298,9 @@ class AutoParallel:
         parameters instead of keeping the gathered copies; with ``fuse_gathers`` chained per-mesh-dim
         all-gathers become one over the flattened mesh. ``plan.passes`` reports what the passes did
         and the collectives before and after them; the plan actually lowered is ``self.applied_plan``.
+        With ``compile`` the forward and backward graphs run through Inductor region by region:
+        identical layers share one compiled region, so deep models compile in seconds
+        (``self.regions`` says how many regions there are and how many were compiled).
         """
         tg = self._require_traced()
         t0 = time.perf_counter()
@@ -305,7 +310,14 @@ class AutoParallel:
         else:
             applied, trips = plan, RoundTripStats(0, 0)
         lowered = lower(tg, applied, self.mesh, self._outputs, reshard_after_forward, fuse_gathers)
-        executor = make_executor(lowered)
+        regions: dict[fx.GraphModule, RegionStats] = {}
+
+        def compile_graph(gm: fx.GraphModule) -> Callable:
+            compiled, regions[gm] = compile_regions(gm)
+            return compiled
+
+        executor = make_executor(lowered, compile_graph if compile else None)
+        self.regions = {"forward": regions[lowered.forward], "backward": regions[lowered.backward]} if compile else {}
         buffers = {fqn: plan.nodes[n.name].outputs[0] for fqn, n in tg.placeholder_for("buffer").items()}
         outputs = [
             (o.meta["val"].shape, o.meta["val"].stride()) if isinstance(o, fx.Node) else None

@@ -1,20 +1,33 @@
-"""``torch.compile`` backend for parallel modules: Inductor kernels, the plan's graph decisions.
+"""Compiling parallel modules with Inductor.
 
-Dynamo captures the parallel module's forward/backward graphs (they run inside one
-``autograd.Function``), AOTAutograd re-traces them into one joint graph, and Inductor compiles
-the two halves. The split between them is autoplan's own (save what backward reads, never re-run
-a collective), not Inductor's min-cut rematerialisation, so the compiled module keeps the
-collectives and saved tensors the plan was costed with.
+Two ways. ``regional`` (what ``apply_placement(plan, compile=True)`` uses): the lowered forward and
+backward graphs are cut into regions, one per repeated-layer instance and one per stretch between
+them; regions with the same structure share one compiled kernel set, so compile time grows with
+the number of *distinct* layers, not with depth (a 32-layer model compiles like a 3-layer one).
+``backend()``: a ``torch.compile`` backend for the whole parallel module (one graph, slow to
+compile on deep models), kept for users who compile the module themselves.
+
+Both keep autoplan's forward/backward split (save what backward reads, never re-run a collective)
+rather than Inductor's min-cut rematerialisation, so the compiled program keeps the collectives and
+saved tensors the plan was costed with.
 """
 
 from __future__ import annotations
 
+import hashlib
+import operator
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_map
+
+from autoplan.lowering import REGION_KEY, partition
 
 
 def _plan_partition(joint, _joint_inputs, *, num_fwd_outputs: int, **_unused):
-    from autoplan.lowering import partition
-
     return partition(joint, num_fwd_outputs)
 
 
@@ -30,3 +43,89 @@ def backend() -> Callable:
         decompositions=select_decomp_table(),
         keep_inference_input_mutations=True,
     )
+
+
+@dataclass(frozen=True)
+class RegionStats:
+    regions: int  # regions the graph was cut into
+    distinct: int  # regions compiled (the others reuse one of these)
+
+
+def region_ids(graph: fx.Graph) -> dict[fx.Node, int]:
+    """A region id per node: a new region starts wherever the layer tag changes along graph order.
+
+    Nodes without a tag (added by later passes) stay in the region they appear in; an element read
+    stays with its tuple. A node's id is never below its inputs' ids, so the cut is acyclic.
+    """
+    ids: dict[fx.Node, int] = {}
+    current, tag = 0, None
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.target is operator.getitem:  # an element read stays with its tuple, wherever it sits
+            ids[n] = ids[n.args[0]]
+            continue
+        t = n.meta.get(REGION_KEY)
+        if t is not None and t != tag:
+            current += tag is not None
+            tag = t
+        ids[n] = current
+    return ids
+
+
+def _value_key(val) -> tuple | str:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), tuple(val.stride()), val.dtype, val.device.type)
+    if isinstance(val, (tuple, list)):
+        return tuple(_value_key(v) for v in val)
+    return repr(val)
+
+
+def _constant_key(t) -> tuple | str:
+    """Constants are part of a region's code: two regions share kernels only with equal constants."""
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return (_value_key(t), hashlib.sha1(data).hexdigest())
+
+
+def structure_key(gm: fx.GraphModule) -> tuple:
+    """What a region computes, independent of node names: ops, wiring, constants and input metadata."""
+    index: dict[fx.Node, int] = {}
+    items = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        args = tree_map(lambda a: ("%", index[a]) if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
+        if n.op == "get_attr":
+            target = _constant_key(getattr(gm, n.target))
+        else:
+            target = "" if n.op == "placeholder" else str(n.target)
+        items.append((n.op, target, repr(args), _value_key(n.meta.get("val"))))
+    return tuple(items)
+
+
+def _inductor(gm: fx.GraphModule) -> torch.nn.Module:
+    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+
+
+def compile_regions(
+    gm: fx.GraphModule, compile_region: Callable[[fx.GraphModule], torch.nn.Module] = _inductor
+) -> tuple[fx.GraphModule, RegionStats]:
+    """``gm`` cut into regions, each structurally distinct region compiled once and shared.
+
+    Returns a module with ``gm``'s signature whose regions run compiled; the glue between them is a
+    handful of calls per layer. Compilation itself happens lazily, on the first call.
+    """
+    ids = region_ids(gm.graph)
+    split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
+    compiled: dict[tuple, Callable] = {}
+    regions = 0
+    for name, region in list(split.named_children()):
+        if not isinstance(region, fx.GraphModule):
+            continue
+        regions += 1
+        key = structure_key(region)
+        if key not in compiled:
+            compiled[key] = compile_region(region)
+        setattr(split, name, compiled[key])
+    return split, RegionStats(regions, len(compiled))

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoplan import attention
 from autoplan.adapters.dtensor import local_shape, redistribute
+from autoplan.clustering import instance_of
 from autoplan.costs import local_shape as even_local_shape
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
@@ -40,6 +41,9 @@ COLLECTIVES = {
     "all_reduce": "all_reduce",
     "all_to_all_single": "all_to_all",
 }
+
+
+REGION_KEY = "autoplan_region"  # the repeated-layer instance a lowered node belongs to ("" outside any)
 
 
 class LoweringError(RuntimeError):
@@ -263,12 +267,34 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     for n in saved:
         benv[n] = bwd.placeholder(n.name)
         benv[n].meta = dict(n.meta)
-    for n in tangents + constants + recompute + backward:
+    for n in tangents + constants + _just_in_time(recompute, backward):
         benv[n] = bwd.node_copy(n, lambda a: benv[a])
     bwd.output([benv[o] if isinstance(o, fx.Node) else o for o in outputs[n_outputs:]])
     fwd.eliminate_dead_code()
     bwd.eliminate_dead_code()
     return fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd)
+
+
+def _just_in_time(recompute: list[fx.Node], backward: list[fx.Node]) -> list[fx.Node]:
+    """Backward nodes in order, each recomputed chain placed right before its first reader.
+
+    A re-gathered weight then lives only while its own layer's backward runs (FSDP's memory
+    contract), instead of every layer's weights being gathered at the start of the backward.
+    """
+    position = {n: i for i, n in enumerate(recompute)}
+    placed: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    for n in backward:
+        stack, due = [a for a in n.all_input_nodes if a in position and a not in placed], set()
+        while stack:
+            a = stack.pop()
+            if a not in due:
+                due.add(a)
+                stack.extend(b for b in a.all_input_nodes if b in position and b not in placed)
+        order += sorted(due, key=position.__getitem__)
+        placed |= due
+        order.append(n)
+    return [*order, *(n for n in recompute if n not in placed)]
 
 
 def _recompute_closure(forward: list[fx.Node], backward: set[fx.Node], grads: list) -> list[fx.Node]:
@@ -348,7 +374,9 @@ class _Stitcher:
             self.n_traced += 1
         return self.templates[key]
 
-    def inline(self, template: fx.GraphModule, args: list[fx.Node]) -> list:
+    def inline(self, template: fx.GraphModule, args: list[fx.Node], region: str = "") -> list:
+        """Copy a segment into the graph; every copied node is tagged with ``region`` (its layer
+        instance), which regional compilation cuts the per-rank graphs by."""
         env: dict[fx.Node, fx.Node] = {}
         it = iter([*args, self.coordinate])
         for n in template.graph.nodes:
@@ -359,11 +387,13 @@ class _Stitcher:
                 self.root.register_buffer(name, getattr(template, n.target))
                 env[n] = self.graph.get_attr(name)
                 env[n].meta = dict(n.meta)
+                env[n].meta[REGION_KEY] = region
             elif n.op == "output":
                 flat, _ = tree_flatten(n.args[0])
                 return [env[a] if isinstance(a, fx.Node) else a for a in flat]
             else:
                 env[n] = self.graph.node_copy(n, lambda a: env[a])
+                env[n].meta[REGION_KEY] = region
         raise LoweringError("segment without output")
 
     def node_key(self, node: fx.Node, inputs: list[fx.Node]) -> tuple:
@@ -387,7 +417,8 @@ class _Stitcher:
             return [r.to_local() if isinstance(r, DTensor) else r for r in flat]
 
         template = self.segment(self.node_key(node, inputs), seg, inputs)
-        return self.inline(template, [env[a] for a in inputs])
+        layer = instance_of(node.meta.get(PATH_KEY, ""))
+        return self.inline(template, [env[a] for a in inputs], layer[0] if layer else "")
 
     def lower_output(self, node: fx.Node, env: dict, target: Placements | None):
         if target is None or self.placement(node) == tuple(target):

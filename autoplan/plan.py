@@ -221,6 +221,7 @@ _HEAVY_OPS = {
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
 }
 
 

@@ -1,6 +1,7 @@
 """One training run of a planned model next to its single-device reference, shared by the gloo
 (one process per rank) and LocalTensorMode (all ranks in one process) ground-truth tests."""
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -34,8 +35,9 @@ def make(name: str, batch_rows: int = 4):
 
     from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
-    if name == "llama":
+    if name in ("llama", "llama4"):
         cfg = LLAMA3_CONFIGS["debug"]
+        cfg = dataclasses.replace(cfg, n_layers=4) if name == "llama4" else cfg
         return (lambda: Transformer(cfg)), (lambda g: torch.randint(0, cfg.vocab_size, (batch_rows, 16), generator=g))
     if name == "tied":
         return TiedLM, (lambda g: torch.randint(0, 64, (batch_rows, 8), generator=g))

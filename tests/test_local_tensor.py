@@ -27,10 +27,10 @@ def _one_value(t: torch.Tensor) -> torch.Tensor:
     return values[0]
 
 
-def _run(name: str, pins: list, compiled: bool, return_dtensor: bool = False) -> dict:
+def _run(name: str, pins: list, compiled: bool, return_dtensor: bool = False, **apply_options) -> dict:
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run(name, batch_rows=8)
-    plan, lowered, pmod = plan_and_apply(mesh, name, pins, batch_rows=8, return_dtensor=return_dtensor)
+    plan, lowered, pmod = plan_and_apply(mesh, name, pins, batch_rows=8, return_dtensor=return_dtensor, **apply_options)
     with LocalTensorMode(RANKS):
         result = parallel_run(mesh, pmod, ref, compiled, plain=_one_value)
     return result | {"ref_losses": ref.losses} | graph_report(plan, lowered)
@@ -44,8 +44,9 @@ def test_llama_debug_eager(pins):
         assert any("Shard" in v for v in r["params"].values())
 
 
-def test_llama_debug_inductor():
-    check_run(_run("llama", LLAMA_TP, compiled=True))
+def test_llama_debug_inductor_regional():
+    """``apply_placement(compile=True)``: four layers, the two middle ones sharing compiled regions."""
+    check_run(_run("llama4", LLAMA_TP, compiled=False, compile=True))
 
 
 @pytest.mark.parametrize("name", ["mlp", "tied", "weightnorm"])
