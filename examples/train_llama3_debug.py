@@ -1,7 +1,9 @@
 """Train LLaMA-3 `debug` with an autoplan plan: ``torchrun --nproc_per_node=4 examples/train_llama3_debug.py``.
 
 NCCL on GPUs, gloo on CPU: the device comes from the mesh. Every rank plans (planning is
-deterministic, so all ranks get the same plan), then runs its local shard of each batch.
+deterministic, so all ranks get the same plan), then runs its local shard of each batch. Any world
+size works: an even one gets a (2, world/2) mesh, an odd one (a single GPU too) a (1, world) mesh.
+``--compile`` compiles the per-rank program region by region with Inductor.
 """
 
 import argparse
@@ -11,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import autoplan.compile
 from autoplan import AutoParallel
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
@@ -27,7 +28,8 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     world = dist.get_world_size()
-    mesh = init_device_mesh(device, (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp = 2 if world % 2 == 0 else 1
+    mesh = init_device_mesh(device, (dp, world // dp), mesh_dim_names=("dp", "tp"))
     cfg = LLAMA3_CONFIGS["debug"]
     batch, seq = 8, 32
     with torch.device("meta"):
@@ -37,16 +39,15 @@ def main() -> None:
         ap.add_output_constraints([(Shard(0), Replicate())])
         ap.add_memory_constraint(param_fraction=1 / world)
         plan = ap.optimize_placement()
-        pmod = ap.apply_placement(plan)
+        pmod = ap.apply_placement(plan, compile=args.compile)
     pmod.to_empty(device=device)
     torch.manual_seed(0)
     pmod.init_weights()
-    run = torch.compile(pmod, backend=autoplan.compile.backend()) if args.compile else pmod
     opt = torch.optim.AdamW(pmod.parameters(), lr=1e-3)
     for step in range(args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(step))
         local = distribute_tensor(tokens.to(device), mesh, (Shard(0), Replicate())).to_local()
-        logits = run(local)
+        logits = pmod(local)
         loss = logits.float().pow(2).mean()
         loss.backward()
         opt.step()
