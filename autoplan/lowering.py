@@ -28,11 +28,13 @@ from autoplan import attention
 from autoplan.adapters.dtensor import local_shape, redistribute
 from autoplan.clustering import instance_of
 from autoplan.costs import local_shape as even_local_shape
+from autoplan.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.plan import Plan, placements_str
 from autoplan.strategies import Placements
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
+from autoplan.validate import GraphCheckError, check_lowered
 
 aten = torch.ops.aten
 COLLECTIVES = {
@@ -66,9 +68,14 @@ class LoweredGraph:
     n_segments: int = 0  # distinct node lowerings traced (the rest were copies)
     recompute: RecomputeStats = RecomputeStats(0, 0)
     gather_fusion: FusionStats = FusionStats(0, 0)
+    contiguity: ContiguityStats = ContiguityStats(0, 0)
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
         return count_collectives(graph or self.joint)
+
+
+def _is_c10d(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
 
 
 def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
@@ -370,7 +377,11 @@ class _Stitcher:
         if key not in self.templates:
             fakes = [self.local_fake(a) for a in inputs]
             with self.tg.fake_mode:
-                self.templates[key] = make_fx(fn, tracing_mode="real")(*fakes, self.coordinate_fake)
+                template = make_fx(fn, tracing_mode="real")(*fakes, self.coordinate_fake)
+            # DTensor's propagation may run ops while tracing (torch 2.11 on a cold cache): drop what
+            # the segment does not return, but keep collectives (every rank must run the same ones)
+            template.graph.eliminate_dead_code(lambda n: n.is_impure() or _is_c10d(n))
+            self.templates[key] = template
             self.n_traced += 1
         return self.templates[key]
 
@@ -493,6 +504,12 @@ def lower(
     labels = [COORDINATE, *tg.input_labels]
     params = {n for n, (kind, _) in zip(graph.find_nodes(op="placeholder"), labels) if kind == "param"}
     recompute = tag_parameter_gathers(graph, params) if reshard_after_forward else RecomputeStats(0, 0)
+    # last rewrite: the passes above match collective chains this would interrupt
+    contiguity = make_collective_inputs_contiguous(graph)
+    try:
+        check_lowered(graph, mesh, stitcher.root)
+    except GraphCheckError as e:
+        raise LoweringError(str(e)) from e
     gm = fx.GraphModule(stitcher.root, graph)  # generated once, after every rewrite (codegen is slow on 8B)
     forward, backward = partition(gm, n_outputs)
     return LoweredGraph(
@@ -509,4 +526,5 @@ def lower(
         n_segments=stitcher.n_traced,
         recompute=recompute,
         gather_fusion=fusion,
+        contiguity=contiguity,
     )

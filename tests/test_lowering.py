@@ -80,7 +80,10 @@ def test_wrong_input_shape_names_the_input_and_shapes(lowered_llama):
 
 def _unsharded_parameter(node, params) -> bool:
     """Is ``node`` a gathered parameter: a parameter through gathers, waits and layout ops only?"""
-    layout = ("view", "_unsafe_view", "t", "transpose", "permute", "split", "getitem", "cat", "clone", "_to_copy")
+    layout = (
+        *("view", "_unsafe_view", "t", "transpose", "permute", "split", "getitem", "cat"),
+        *("clone", "contiguous", "_to_copy"),
+    )
     seen_gather = False
     stack, visited = [node], set()
     while stack:

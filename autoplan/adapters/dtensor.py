@@ -28,6 +28,9 @@ from torch.distributed.tensor.placement_types import Placement, Shard, _StridedS
 
 Placements = tuple[Placement, ...]
 
+# torch 2.13 renamed ``all_gather_tensor`` (2.11, still there but deprecated) to ``all_gather_single``
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
@@ -205,7 +208,7 @@ def _redistribute_rank_generic(
         if type(after) is Shard and before.is_replicate():
             local = _take_chunk(local, after.dim, n, index)
         elif type(after) is Shard and type(before) is Shard and before.dim != after.dim and mesh.device_type == "cpu":
-            gathered = funcol.all_gather_single(local, before.dim, (mesh, i))
+            gathered = _all_gather(local.contiguous(), before.dim, (mesh, i))
             if isinstance(gathered, funcol.AsyncCollectiveTensor):
                 gathered = gathered.wait()
             local = _take_chunk(gathered, after.dim, n, index)

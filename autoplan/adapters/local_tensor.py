@@ -6,10 +6,11 @@ one real rank per process and ``LocalTensorMode``'s simulated ranks.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
-from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode, rank_map
+import torch.distributed as dist
+from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -30,7 +31,14 @@ def mesh_coordinate(mesh: DeviceMesh) -> torch.Tensor:
             raise ValueError(f"rank {rank} is not in the mesh {ranks.tolist()}")
         return found[0].to(dtype=torch.int64, device=mesh.device_type)
 
-    return rank_map(coordinate)
+    return _rank_map(coordinate)
+
+
+def _rank_map(make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``make(rank)`` for this process's rank, or for every simulated rank under ``LocalTensorMode``.
+    (torch 2.13 has this as ``_local_tensor.rank_map``; 2.11 only has the mode's method.)"""
+    mode = enabled_local_tensor_mode()
+    return make(dist.get_rank()) if mode is None else mode.rank_map(make)
 
 
 def per_rank(t: torch.Tensor) -> torch.Tensor:
