@@ -27,9 +27,9 @@ def fsdp_mlp():
     return mesh, lowered
 
 
-def _cuda_mesh() -> DeviceMesh:
+def _cuda_mesh(names: tuple[str, ...] | None = None) -> DeviceMesh:
     fake_mesh((2, 4))  # the fake world
-    return DeviceMesh("cuda", torch.arange(8).reshape(2, 4))
+    return DeviceMesh("cuda", torch.arange(8).reshape(2, 4), mesh_dim_names=names)
 
 
 def _graph(device: str, build) -> fx.Graph:
@@ -198,3 +198,21 @@ def test_tensor_on_the_wrong_device_is_rejected(fsdp_mlp):
 
     with pytest.raises(GraphCheckError, match=r"_to_copy_default \(aten\._to_copy\.default\) makes a tensor on cpu"):
         check_lowered(_graph("cuda", to_host), _cuda_mesh())
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="a joint trace on fake CUDA tensors needs a GPU: autograd aborts on a CPU-only build, and a "
+    "CUDA build without a device fails in the backward engine",
+)
+def test_llama_flash_plan_lowered_on_a_cuda_mesh_passes_the_check():
+    """What a GPU runs: planned and lowered on a CUDA mesh (fake process group), the graph keeps the
+    GPU attention kernels, has every value on the GPU and reads every collective input contiguous."""
+    mesh = _cuda_mesh(("dp", "tp"))
+    _, lowered, _ = plan_and_apply(mesh, "llama", FSDP, batch_rows=8, attention="flash")
+    ops = {n.target for n in lowered.joint.graph.nodes}
+    assert aten._scaled_dot_product_flash_attention.default in ops
+    assert aten._scaled_dot_product_flash_attention_backward.default in ops
+    assert not any(host_only(op) for op in ops)
+    assert lowered.contiguity.collectives > 0
+    check_lowered(lowered.joint.graph, mesh, lowered.joint)
