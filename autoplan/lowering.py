@@ -79,12 +79,16 @@ def _is_c10d(n: fx.Node) -> bool:
 
 
 def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
+    """Collectives per kind. On GPU meshes DTensor moves Shard -> Shard with its own synchronous
+    ``_dtensor.shard_dim_alltoall`` (CPU meshes: an all-gather and a local chunk), an all-to-all."""
     counts: Counter = Counter()
     for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional":
+        if _is_c10d(n):
             kind = COLLECTIVES.get(n.target._opname)
             if kind:
                 counts[kind] += 1
+        elif n.op == "call_function" and n.target is torch.ops._dtensor.shard_dim_alltoall.default:
+            counts["all_to_all"] += 1
     return dict(sorted(counts.items()))
 
 
