@@ -73,9 +73,11 @@ def _runtime_layouts(gm: fx.GraphModule) -> list[tuple[str, bool]]:
 
     class Recorder(fx.Interpreter):
         def run_node(self, n):
-            if is_collective(n):
-                seen.append((n.name, self.env[n.args[0]].is_contiguous()))
-            return super().run_node(n)
+            if not is_collective(n):
+                return super().run_node(n)
+            (source, *rest), kwargs = self.fetch_args_kwargs_from_env(n)
+            seen.append((n.name, source.is_contiguous()))
+            return n.target(source.contiguous(), *rest, **kwargs)  # torch 2.11 rejects a non-contiguous one
 
     gen = torch.Generator().manual_seed(0)
     inputs = []
