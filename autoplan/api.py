@@ -69,8 +69,7 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
 
     Before: the solved plan's redistributions. After round trips: the rewired plan's (``local`` counts
     shard-slicing steps, which is what a removed round trip's return leg usually is). After all
-    passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added;
-    on CPU process groups an all-to-all runs as an all-gather).
+    passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added).
     """
     return {
         "round_trips_removed": trips.removed,

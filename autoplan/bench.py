@@ -1,42 +1,71 @@
-"""Planning benchmarks: ``python -m autoplan.bench plan --model llama3-8b --mesh 16x8 [--json out.json]``.
+"""Benchmarks: ``python -m autoplan.bench plan|apply|overhead --model llama3-8b --mesh 16x8 [--json out.json]``.
 
-Plans on a fake process group (no GPUs, no peers), prints wall time per phase, ILP size, objective,
-gap and peak RSS, then applies the plan (post-solve passes + lowering, timed as its own phase) to
-report what the passes did and the collectives before and after them; writes it all to JSON.
+``plan`` plans on a fake process group (no GPUs, no peers), prints wall time per phase, ILP size,
+objective, gap and peak RSS, then applies the plan (post-solve passes + lowering, timed as its own
+phase) to report what the passes did and the collectives before and after them. ``apply`` times
+lowering alone. ``overhead`` runs rank 0's planned program for real (collectives made free) next
+to the plain model on the same local batch: step time, kernels and peak memory, and their ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import resource
+import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 
-def _fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+def _fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str = "cpu"):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    size = math.prod(shape)
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    if dist.get_world_size() == size:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if dist.get_world_size() < size:
+        raise SystemExit(f"mesh {shape} needs {size} ranks; the process group has {dist.get_world_size()}")
+    return DeviceMesh(device_type, torch.arange(size).reshape(shape), mesh_dim_names=names)  # a larger world
 
 
-def _model(name: str, dtype: torch.dtype):
-    from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+def _config(name: str, layers: int | None = None):
+    from autoplan.models.llama3 import LLAMA3_CONFIGS
 
     family, _, size = name.partition("-")
     if family != "llama3" or size not in LLAMA3_CONFIGS:
         raise SystemExit(f"unknown model {name!r}; choose from " + ", ".join(f"llama3-{k}" for k in LLAMA3_CONFIGS))
+    if layers is not None and layers < 1:
+        raise SystemExit(f"--layers must be at least 1, got {layers}")
     cfg = LLAMA3_CONFIGS[size]
+    return cfg if layers is None else dataclasses.replace(cfg, n_layers=layers)
+
+
+def _model(name: str, dtype: torch.dtype, layers: int | None = None):
+    from autoplan.models.llama3 import Transformer
+
+    cfg = _config(name, layers)
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     return model, cfg
+
+
+def _mesh_shape(spec: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(n < 1 for n in shape) or len(shape) > 4:
+        raise SystemExit(f"--mesh must be sizes joined by 'x' (e.g. 128 or 16x8), got {spec!r}")
+    return shape
 
 
 def _peak_rss_gib() -> float:
@@ -49,9 +78,9 @@ def _planned(args: argparse.Namespace):
 
     from autoplan import AutoParallel
 
-    shape = tuple(int(x) for x in args.mesh.lower().split("x"))
-    mesh = _fake_mesh(shape, ("dp", "tp", "cp", "pp")[: len(shape)])
-    model, cfg = _model(args.model, getattr(torch, args.dtype))
+    shape = _mesh_shape(args.mesh)
+    mesh = _fake_mesh(shape, ("dp", "tp", "cp", "pp")[: len(shape)], getattr(args, "device", "cpu"))
+    model, cfg = _model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))
     seq = args.seq or min(8192, cfg.max_seq_len)
     batch, vocab = args.batch or max(32, shape[0]), cfg.vocab_size  # the batch must split over dp
     ap = AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)))
@@ -140,6 +169,287 @@ def run_apply(args: argparse.Namespace) -> dict:
     return result
 
 
+# ---------------------------------------------------------------------------------------------- overhead
+
+# Collectives whose output is their input (same shape, no re-layout); every other one becomes a new
+# tensor of its output's shape.
+_PASS_THROUGH = ("all_reduce", "wait_tensor", "broadcast")
+
+
+def _free_shard_dim_alltoall(t: torch.Tensor, gather_dim: int, shard_dim: int, n: int) -> torch.Tensor:
+    """DTensor's GPU all-to-all (``_dtensor.shard_dim_alltoall``) with the exchange made free: the
+    local copies around it (the new shard dim to the front, the gathered dim back) still run."""
+    send = t.unflatten(shard_dim, (n, t.shape[shard_dim] // n)).movedim(shard_dim, 0).contiguous()
+    return send.new_empty(send.shape).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+def collective_free(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[str, int]]:
+    """A copy of a lowered graph with every collective made free.
+
+    On a fake process group a collective returns at once but may still copy (the coalesced
+    all-gather copies its input once per rank), which no real rank does. Here an all-reduce or a
+    wait returns its input and every other functional collective a new tensor of its output's
+    shape: uninitialised for floating point, zeros otherwise (gathered token ids must stay valid
+    indices). DTensor's GPU all-to-all keeps its local copies. What remains is the rank's compute
+    and local work. Returns the copy and the collectives replaced, by op name.
+    """
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    replaced: dict[str, int] = {}
+    for n in list(graph.nodes):
+        namespace = getattr(n.target, "namespace", None) if n.op == "call_function" else None
+        if namespace not in ("_c10d_functional", "_dtensor"):
+            continue
+        name, val = n.target._opname, n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise NotImplementedError(f"collective-free rewrite: {n.target} ({n.name}) does not return one tensor")
+        if name in _PASS_THROUGH:
+            new = n.args[0]
+        elif name == "shard_dim_alltoall":
+            source, gather_dim, shard_dim = n.args[:3]
+            ranks = val.shape[gather_dim] // source.meta["val"].shape[gather_dim]
+            with graph.inserting_before(n):
+                new = graph.call_function(_free_shard_dim_alltoall, (source, gather_dim, shard_dim, ranks))
+        else:
+            make = torch.ops.aten.new_empty if val.dtype.is_floating_point else torch.ops.aten.new_zeros
+            with graph.inserting_before(n):
+                new = graph.call_function(make.default, (n.args[0], list(val.shape)), {"dtype": val.dtype})
+        if new is not n.args[0]:
+            new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+        replaced[name] = replaced.get(name, 0) + 1
+    return torch.fx.GraphModule(gm, graph), dict(sorted(replaced.items()))
+
+
+@dataclasses.dataclass
+class _Program:
+    """One program under test: the module, what runs it (compiled or not) and its input."""
+
+    name: str
+    module: torch.nn.Module
+    run: Callable
+    tokens: torch.Tensor
+    compiled: bool
+    times: list[float] = dataclasses.field(default_factory=list)
+    cpu_times: list[float] = dataclasses.field(default_factory=list)  # process CPU seconds, all threads
+    first_s: float = 0.0
+
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def step(self) -> None:
+        """Forward and backward; the loss is the mean of the (local) logits, for both programs."""
+        self.run(self.tokens).mean().backward()
+
+    def resident_bytes(self) -> int:
+        """Bytes this program keeps between steps: its (local) parameters and buffers, and its input."""
+        from torch.distributed.tensor import DTensor
+
+        tensors = [*self.module.parameters(), *self.module.buffers(), self.tokens]
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return sum({id(s): s.nbytes() for s in (t.untyped_storage() for t in local)}.values())
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(prog: _Program, device: str) -> tuple[float, float]:
+    """Wall and process CPU seconds of one step from no gradients to gradients; the gradients are
+    freed again, so that only one program's step-time memory is alive at a time."""
+    prog.zero_grad()
+    _sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    prog.step()
+    _sync(device)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    prog.zero_grad()
+    return seconds, cpu
+
+
+def _probe(prog: _Program, device: str) -> dict:
+    """Untimed steps: ATen ops by name (eager programs), then kernels and peak memory."""
+    from autoplan.adapters.profiling import count_ops, launches_kernel, profile_step
+
+    result: dict = {}
+    if not prog.compiled:
+        ops = count_ops(prog.step)
+        prog.zero_grad()
+        result["ops"] = dict(ops.most_common())
+        result["dispatched_kernels"] = sum(c for name, c in ops.items() if launches_kernel(name))
+    prof = profile_step(prog.step, device)
+    prog.zero_grad()
+    result["kernels"] = prof.host_kernels
+    if device == "cuda":
+        result["gpu_kernels"] = prof.device_kernels
+    result["resident_bytes"] = prog.resident_bytes()
+    result["peak_bytes"] = result["resident_bytes"] + prof.memory_rise
+    return result
+
+
+def _collective_free_executor(pmod: torch.nn.Module, lowered, compile_graph: Callable | None) -> dict:
+    """Point the parallel module at collective-free copies of its lowered graphs (compiled the way
+    ``apply_placement(compile=True)`` compiles them, when asked); returns what was replaced."""
+    from autoplan.runtime import make_executor
+
+    forward, in_forward = collective_free(lowered.forward)
+    backward, in_backward = collective_free(lowered.backward)
+    free = dataclasses.replace(lowered, forward=forward, backward=backward)
+    pmod._autoplan.executor = make_executor(free, compile_graph)
+    return {"forward": in_forward, "backward": in_backward}
+
+
+def _compile_regions(gm: torch.fx.GraphModule) -> Callable:
+    """What ``apply_placement(compile=True)`` does to each lowered graph: regional Inductor compilation."""
+    from autoplan.compile import compile_regions
+
+    return compile_regions(gm)[0]
+
+
+def _log(message: str) -> None:
+    print(f"[bench overhead] {message}", file=sys.stderr, flush=True)
+
+
+def _programs(args: argparse.Namespace) -> tuple[_Program, _Program, dict]:
+    """Rank 0's planned program and the plain model on the same local batch, materialised on the device."""
+    shape = _mesh_shape(args.mesh)
+    plan_args = argparse.Namespace(**vars(args) | {"batch": args.batch * shape[0]})
+    _log(f"planning on a fake {args.device} mesh {shape}")
+    t0 = time.perf_counter()
+    ap, plan, shape, _, seq = _planned(plan_args)
+    plan_s = time.perf_counter() - t0
+    pmod = ap.apply_placement(plan)
+    collectives = _collective_free_executor(pmod, ap.lowered, _compile_regions if args.compile else None)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    _log("materialising both programs")
+    torch.manual_seed(0)
+    pmod.to_empty(device=device)
+    pmod.init_weights()
+    model, cfg = _model(args.model, dtype, args.layers)
+    model.to_empty(device=device)
+    model.init_weights()
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
+    if args.compile and device == "cpu":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # Inductor's C++ kernels show in the profiler
+    plain_run = torch.compile(model) if args.compile else model
+    planned = _Program("planned", pmod, pmod, tokens, args.compile)
+    plain = _Program("plain", model, plain_run, tokens, args.compile)
+    info = {
+        "plan_s": plan_s,
+        "seq": seq,
+        "global_batch": args.batch * shape[0],
+        "mesh": list(shape),
+        "collectives_made_free": collectives,
+        "param_placements": {k: str(v) for k, v in plan.param_placements.items()},
+        "planned_cost_s": plan.cost.total,
+    }
+    return planned, plain, info
+
+
+def _summary(times: list[float]) -> dict:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "all": times}
+
+
+def _op_diff(planned: dict[str, int], plain: dict[str, int]) -> dict[str, int]:
+    """Per-step op count differences (planned minus plain), largest first."""
+    diff = {k: planned.get(k, 0) - plain.get(k, 0) for k in {*planned, *plain}}
+    return dict(sorted(((k, v) for k, v in diff.items() if v), key=lambda kv: (-abs(kv[1]), kv[0])))
+
+
+def run_overhead(args: argparse.Namespace) -> dict:
+    """Time rank 0's planned program against the plain model on the same local batch, collectives free."""
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be at least 1, got {args.steps}")
+    if args.batch < 1:
+        raise SystemExit(f"--batch must be at least 1, got {args.batch}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a GPU (torch.cuda.is_available() is False)")
+    torch.set_flush_denormal(True)  # uninitialised "gathered" values must not hit slow denormal paths
+    planned, plain, info = _programs(args)
+    programs = (planned, plain)
+    for prog in programs:  # the first call compiles (with --compile); one more warm-up step
+        _log(f"warming up {prog.name}")
+        prog.first_s = _timed(prog, args.device)[0]
+        _timed(prog, args.device)
+    for k in range(args.steps):  # interleaved, alternating order, so machine noise hits both
+        for prog in programs if k % 2 == 0 else programs[::-1]:
+            _log(f"timing {prog.name} (step {k + 1}/{args.steps})")
+            seconds, cpu = _timed(prog, args.device)
+            prog.times.append(seconds)
+            prog.cpu_times.append(cpu)
+    result: dict = {
+        "model": args.model,
+        "layers": _config(args.model, args.layers).n_layers,
+        "device": args.device,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "local_batch": args.batch,
+        "steps": args.steps,
+        **info,
+    }
+    for prog in programs:
+        _log(f"counting kernels and memory of {prog.name}")
+        step = _summary(prog.times)
+        result[prog.name] = {
+            "step_s": step,
+            "step_cpu_s": _summary(prog.cpu_times),  # steadier than wall time on a shared host
+            "first_step_s": prog.first_s,
+            **_probe(prog, args.device),
+        }
+        if args.compile:
+            result[prog.name]["compile_s"] = prog.first_s - step["median"]
+    result["kernels_method"] = (
+        "outermost kernel-launching ATen ops"
+        + (" and Inductor C++ kernels" if args.compile and args.device == "cpu" else "")
+        + " recorded by torch.profiler in one step"
+        + ("; gpu_kernels: CUDA kernel events" if args.device == "cuda" else "")
+    )
+    result["peak_method"] = (
+        "resident bytes (own parameters, buffers, input) + the allocator's peak rise during one step ("
+        + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory timeline")
+        + ")"
+    )
+    p, q = result["planned"], result["plain"]
+    result["ratios"] = {
+        "step_time": p["step_s"]["median"] / q["step_s"]["median"],
+        "step_cpu_time": p["step_cpu_s"]["median"] / q["step_cpu_s"]["median"],
+        "kernels": p["kernels"] / q["kernels"],
+        "peak_memory": p["peak_bytes"] / q["peak_bytes"],
+    }
+    if "gpu_kernels" in p:
+        result["ratios"]["gpu_kernels"] = p["gpu_kernels"] / q["gpu_kernels"]
+    if "ops" in p:
+        result["op_diff"] = _op_diff(p["ops"], q["ops"])
+    _print_overhead(result)
+    return result
+
+
+def _print_overhead(r: dict) -> None:
+    compiled = " compiled (planned: regional Inductor, plain: torch.compile)" if r["compile"] else ""
+    print(
+        f"{r['model']} x{r['layers']} layers, mesh {r['mesh']}, local batch {r['local_batch']}x{r['seq']},"
+        f" {r['dtype']} on {r['device']}{compiled}"
+    )
+    print(f"collectives made free: {r['collectives_made_free']}")
+    for name in ("planned", "plain"):
+        p, s = r[name], r[name]["step_s"]
+        line = f"{name:>8}: step {s['median'] * 1e3:.1f} ms (min {s['min'] * 1e3:.1f}, max {s['max'] * 1e3:.1f})"
+        line += f"  cpu {p['step_cpu_s']['median'] * 1e3:.1f} ms"
+        line += f"  kernels {p['kernels']}  peak {p['peak_bytes'] / 2**30:.2f} GiB"
+        if "compile_s" in p:
+            line += f"  compile {p['compile_s']:.1f} s"
+        print(line)
+    print("ratios planned/plain: " + "  ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
+    if r.get("op_diff"):
+        top = list(r["op_diff"].items())[:20]
+        print("ATen ops per step, planned minus plain: " + ", ".join(f"{k} {v:+d}" for k, v in top))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoplan.bench", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -153,8 +463,22 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("apply", help="time lowering a plan into the distributed graph on a fake process group")
     for action in p._actions[1:]:
         a._add_action(action)
+    o = sub.add_parser("overhead", help="rank 0's planned program vs the plain model on the same local batch")
+    o.add_argument("--model", default="llama3-8b")
+    o.add_argument("--layers", type=int, default=None, help="override the config's number of layers")
+    o.add_argument("--mesh", default="128")
+    o.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    o.add_argument("--compile", action="store_true", help="Inductor for both programs")
+    o.add_argument("--batch", type=int, default=1, help="local (per-rank) batch; the global one is it x mesh dim 0")
+    o.add_argument("--seq", type=int, default=None)
+    o.add_argument("--dtype", default="bfloat16")
+    o.add_argument("--steps", type=int, default=3, help="timed steps per program, after two warm-up steps")
+    o.add_argument("--json", default=None, help="write the numbers to this file")
     args = parser.parse_args(argv)
-    result = run_plan(args) if args.cmd == "plan" else run_apply(args)
+    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")
+    runners = {"plan": run_plan, "apply": run_apply, "overhead": run_overhead}
+    result = runners[args.cmd](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

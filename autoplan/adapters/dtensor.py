@@ -28,9 +28,6 @@ from torch.distributed.tensor.placement_types import Placement, Shard, _StridedS
 
 Placements = tuple[Placement, ...]
 
-# torch 2.13 renamed ``all_gather_tensor`` (2.11, still there but deprecated) to ``all_gather_single``
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
@@ -194,8 +191,8 @@ def redistribute(value: DTensor, placements: Placements, coordinate: torch.Tenso
 def _redistribute_rank_generic(
     local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coordinate: torch.Tensor
 ) -> torch.Tensor:
-    """DTensor's own steps, except the two that bake the rank in: Replicate -> Shard (take a chunk)
-    and, on CPU groups, Shard -> Shard (all-gather, then take a chunk; gloo has no all-to-all)."""
+    """DTensor's own steps, except two: Replicate -> Shard (take a chunk), which bakes the rank in,
+    and, on CPU groups, Shard -> Shard (an all-to-all; DTensor's CPU fallback all-gathers)."""
     mesh, meta = src.mesh, src.tensor_meta
     current = list(src.placements)
     for info in _gen_transform_infos(src, dst):
@@ -208,14 +205,25 @@ def _redistribute_rank_generic(
         if type(after) is Shard and before.is_replicate():
             local = _take_chunk(local, after.dim, n, index)
         elif type(after) is Shard and type(before) is Shard and before.dim != after.dim and mesh.device_type == "cpu":
-            gathered = _all_gather(local.contiguous(), before.dim, (mesh, i))
-            if isinstance(gathered, funcol.AsyncCollectiveTensor):
-                gathered = gathered.wait()
-            local = _take_chunk(gathered, after.dim, n, index)
+            local = _all_to_all(local, before.dim, after.dim, n, (mesh, i))
         else:
             local = redistribute_local_tensor(local, make_spec(mesh, current, meta), make_spec(mesh, target, meta))
         current = target
     return local
+
+
+def _all_to_all(t: torch.Tensor, gather_dim: int, shard_dim: int, n: int, group) -> torch.Tensor:
+    """Shard(gather_dim) -> Shard(shard_dim) over ``n`` ranks the way DTensor's GPU kernel does it:
+    the new shard dim's chunks to the front, one exchange, the received chunks back onto the
+    gathered dim (each move a copy only when it is not a view). Built from functional collectives,
+    which every process group runs; DTensor's CPU path all-gathers the whole tensor instead."""
+    if t.shape[shard_dim] % n:
+        raise ValueError(f"dim {shard_dim} of shape {tuple(t.shape)} does not split evenly {n} ways")
+    send = t.unflatten(shard_dim, (n, t.shape[shard_dim] // n)).movedim(shard_dim, 0).contiguous()
+    received = funcol.all_to_all_single(send, None, None, group)
+    if isinstance(received, funcol.AsyncCollectiveTensor):
+        received = received.wait()
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 def _take_chunk(t: torch.Tensor, dim: int, n: int, index: torch.Tensor) -> torch.Tensor:
