@@ -10,12 +10,16 @@ to the plain model on the same local batch: step time, kernels and peak memory, 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import math
+import os
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -370,6 +374,9 @@ def run_overhead(args: argparse.Namespace) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a GPU (torch.cuda.is_available() is False)")
     torch.set_flush_denormal(True)  # uninitialised "gathered" values must not hit slow denormal paths
+    if args.compile:  # compile times from a cold cache: nothing reused from earlier runs on this machine
+        cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoplan-bench-inductor-")
+        atexit.register(shutil.rmtree, cache, True)
     planned, plain, info = _programs(args)
     programs = (planned, plain)
     for prog in programs:  # the first call compiles (with --compile); one more warm-up step

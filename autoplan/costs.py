@@ -205,15 +205,15 @@ def relayout_copies(
     on a GPU mesh); ``before``/``after``: the rank's local shape before and after the step.
 
     NCCL gathers and scatters along dim 0 only, so: an all-gather on dim d returns its chunks
-    stacked on dim 0 and a cat moves them to dim d (a view when the gathered blocks are already
-    contiguous); a reduce-scatter on dim d first cats its chunks onto dim 0 (always a copy); an
+    stacked on dim 0 and one copy moves them to dim d (a view when the gathered blocks are already
+    contiguous); a reduce-scatter on dim d first moves its chunks onto dim 0 (likewise); an
     all-to-all moves the new shard dim to the front before the exchange and the gathered dim
     back after it (each a copy unless the move is a view).
     """
     src_dim, dst_dim = shard_dim(src), shard_dim(dst)
     if kind == "all_gather" and src_dim and not _leading_block(before, src_dim):
         return (after,)
-    if kind == "reduce_scatter" and dst_dim:
+    if kind == "reduce_scatter" and dst_dim and not _leading_block(before, dst_dim):
         return (before,)
     if kind == "all_to_all":
         moves = ((before, dst_dim), (after, src_dim))

@@ -208,7 +208,7 @@ def _copy_seconds(nbytes: float) -> float:
 
 
 def test_gather_on_a_non_leading_dim_pays_a_copy(model):
-    # a (4096, 14336) weight stored Shard(1): NCCL stacks the chunks on dim 0, a cat moves them to dim 1
+    # a (4096, 14336) weight stored Shard(1): NCCL stacks the chunks on dim 0, a copy moves them to dim 1
     m = meta(4096, 14336)
     dim1 = model.redistribute_cost((R, Shard(1)), (R, R), m)
     dim0 = model.redistribute_cost((R, Shard(0)), (R, R), m)
@@ -225,7 +225,7 @@ def test_gather_of_contiguous_blocks_is_a_view(model):
 
 
 def test_gather_copies_only_the_local_tensor(model):
-    # gathering dim 1 over tp while dp still shards dim 0: the cat copies the (256, 14336) local result
+    # gathering dim 1 over tp while dp still shards dim 0: the re-layout copies the (256, 14336) local result
     both = model.redistribute_cost((Shard(0), Shard(1)), (Shard(0), R), meta(4096, 14336))
     leading = model.redistribute_cost((Shard(1), Shard(0)), (Shard(1), R), meta(14336, 4096))
     assert both - leading == pytest.approx(_copy_seconds(4096 // 16 * 14336 * 2))
@@ -235,8 +235,14 @@ def test_reduce_scatter_on_a_non_leading_dim_pays_a_copy(model):
     m = meta(4096, 14336)
     dim1 = model.redistribute_cost((R, P), (R, Shard(1)), m)
     dim0 = model.redistribute_cost((R, P), (R, Shard(0)), m)
-    assert dim1 - dim0 == pytest.approx(_copy_seconds(4096 * 14336 * 2))  # the cat before the scatter
+    assert dim1 - dim0 == pytest.approx(_copy_seconds(4096 * 14336 * 2))  # the re-layout before the scatter
     assert model.redistribute_collectives((R, P), (R, Shard(1)), m) == (("reduce_scatter", 1),)
+
+
+def test_reduce_scatter_of_contiguous_blocks_is_a_view(model):
+    seq_sharded = model.redistribute_cost((R, P), (R, Shard(1)), meta(1, 8192, 4096))
+    batch_sharded = model.redistribute_cost((R, P), (R, Shard(0)), meta(8192, 1, 4096))
+    assert seq_sharded == pytest.approx(batch_sharded)
 
 
 def test_all_to_all_pays_for_moving_non_leading_dims(model):

@@ -11,9 +11,10 @@ import torch
 from conftest import fake_mesh
 from parallel_run import FSDP, LLAMA_TP, MLP_TP, check_run, graph_report, parallel_run, plan_and_apply, reference_run
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 RANKS = 8
+R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 
 
 def _one_value(t: torch.Tensor) -> torch.Tensor:
@@ -76,3 +77,51 @@ def test_optimizer_steps_each_simulated_rank_once():
             p.grad = DTensor.from_local(ones, mesh, p.placements, run_check=False)
         torch.optim.SGD(pmod.parameters(), lr=0.5).step()
         assert all(torch.equal(_one_value(p.full_tensor()), torch.full(p.shape, -0.5)) for p in pmod.parameters())
+
+
+def _local_values(mesh, src, full: torch.Tensor) -> DTensor:
+    """``full`` placed as ``src`` on every simulated rank; a Partial source holds a different addend per rank."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not any(p.is_partial() for p in src):
+        return distribute_tensor(full, mesh, src)
+    plain = [Replicate() if p.is_partial() else p for p in src]
+    shard = distribute_tensor(full, mesh, plain).to_local()
+    shards = shard._local_tensors if isinstance(shard, LocalTensor) else dict.fromkeys(range(RANKS), shard)
+    addends = {r: t * (r + 1) for r, t in shards.items()}  # sums differ from any one rank's value
+    return DTensor.from_local(LocalTensor(addends), mesh, src, run_check=False)
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [((R, S1), (R, R)), ((S0, S1), (S0, R)), ((R, P), (R, S1)), ((P, S0), (S1, S0))],
+    ids=["gather-dim1", "gather-dim1-under-dp", "reduce-scatter-dim1", "reduce-scatter-dim1-on-dp"],
+)
+def test_non_leading_dim_collectives_are_one_copy(src, dst):
+    """A gather or reduce-scatter on tensor dim 1 runs on dim 0 with one re-layout copy (DTensor's
+    own path splits into one chunk per rank and concatenates), with DTensor's values on every rank."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoplan.adapters.dtensor import redistribute
+    from autoplan.adapters.local_tensor import mesh_coordinate
+
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    torch.manual_seed(0)
+    full = torch.randn(8, 16, 4)
+    with LocalTensorMode(RANKS):
+        value = _local_values(mesh, src, full)
+        expected = value.redistribute(mesh, dst).to_local()
+        ours = redistribute(value, dst, mesh_coordinate(mesh)).to_local()
+        for r in range(RANKS):
+            assert torch.allclose(ours._local_tensors[r], expected._local_tensors[r], rtol=1e-6, atol=1e-6)
+        local = value.to_local()
+        rank0 = local._local_tensors[0] if isinstance(local, LocalTensor) else local
+    coordinate = torch.zeros(2, dtype=torch.int64)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return redistribute(DTensor.from_local(t, mesh, src, run_check=False), dst, coordinate).to_local()
+
+    ops = [n.target for n in make_fx(move)(rank0).graph.nodes if n.op == "call_function"]
+    aten = torch.ops.aten
+    assert not {aten.cat.default, aten.split.Tensor, aten.chunk.default} & set(ops)
+    assert ops.count(aten.clone.default) == 1  # the re-layout; the collective itself is the only other work

@@ -24,9 +24,13 @@ from torch.distributed.tensor._redistribute import (
     redistribute_local_tensor,
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Shard, _StridedShard
 
 Placements = tuple[Placement, ...]
+
+# torch 2.13 names these ``*_single``; 2.11 has only the ``*_tensor`` names (deprecated in 2.13)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
@@ -191,8 +195,13 @@ def redistribute(value: DTensor, placements: Placements, coordinate: torch.Tenso
 def _redistribute_rank_generic(
     local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coordinate: torch.Tensor
 ) -> torch.Tensor:
-    """DTensor's own steps, except two: Replicate -> Shard (take a chunk), which bakes the rank in,
-    and, on CPU groups, Shard -> Shard (an all-to-all; DTensor's CPU fallback all-gathers)."""
+    """DTensor's own steps, except where it bakes the rank in or re-lays chunks one by one.
+
+    Replicate -> Shard takes the rank's chunk by its coordinate tensor. Gathers and reduce-scatters
+    on a non-leading tensor dim run on dim 0 with one re-layout copy (DTensor splits into one chunk
+    per rank and concatenates them: ``n`` small kernels, and a quadratic fusion search when compiled).
+    On CPU groups Shard -> Shard is a real all-to-all (DTensor's CPU fallback all-gathers).
+    """
     mesh, meta = src.mesh, src.tensor_meta
     current = list(src.placements)
     for info in _gen_transform_infos(src, dst):
@@ -206,10 +215,32 @@ def _redistribute_rank_generic(
             local = _take_chunk(local, after.dim, n, index)
         elif type(after) is Shard and type(before) is Shard and before.dim != after.dim and mesh.device_type == "cpu":
             local = _all_to_all(local, before.dim, after.dim, n, (mesh, i))
+        elif type(before) is Shard and before.dim and after.is_replicate() and info.logical_shape[before.dim] % n == 0:
+            local = _gather_on(local, before.dim, n, (mesh, i))
+        elif type(before) is Partial and type(after) is Shard and after.dim and local.shape[after.dim] % n == 0:
+            local = _reduce_scatter_on(local, after.dim, n, before.reduce_op, (mesh, i))
         else:
             local = redistribute_local_tensor(local, make_spec(mesh, current, meta), make_spec(mesh, target, meta))
         current = target
     return local
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _gather_on(t: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
+    """All-gather even shards along ``dim``: gathered on dim 0 (the only dim NCCL gathers on), the
+    rank blocks then moved next to ``dim`` by one copy."""
+    gathered = _waited(_all_gather(t.contiguous(), 0, group))
+    return gathered.unflatten(0, (n, t.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _reduce_scatter_on(t: torch.Tensor, dim: int, n: int, op: str, group) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` (evenly split): the ``n`` chunks moved to the front by one copy,
+    then reduce-scattered on dim 0."""
+    chunks = t.unflatten(dim, (n, t.shape[dim] // n)).movedim(dim, 0).flatten(0, 1)
+    return _waited(_reduce_scatter(chunks.contiguous(), op, 0, group))
 
 
 def _all_to_all(t: torch.Tensor, gather_dim: int, shard_dim: int, n: int, group) -> torch.Tensor:
@@ -220,9 +251,7 @@ def _all_to_all(t: torch.Tensor, gather_dim: int, shard_dim: int, n: int, group)
     if t.shape[shard_dim] % n:
         raise ValueError(f"dim {shard_dim} of shape {tuple(t.shape)} does not split evenly {n} ways")
     send = t.unflatten(shard_dim, (n, t.shape[shard_dim] // n)).movedim(shard_dim, 0).contiguous()
-    received = funcol.all_to_all_single(send, None, None, group)
-    if isinstance(received, funcol.AsyncCollectiveTensor):
-        received = received.wait()
+    received = _waited(funcol.all_to_all_single(send, None, None, group))
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
