@@ -365,6 +365,14 @@ def _op_diff(planned: dict[str, int], plain: dict[str, int]) -> dict[str, int]:
     return dict(sorted(((k, v) for k, v in diff.items() if v), key=lambda kv: (-abs(kv[1]), kv[0])))
 
 
+def _warm_compiler(device: str) -> None:
+    """Pay the compiler's once-per-process set-up (toolchain checks, pattern tables) before timing
+    either program, so neither program's compile time includes it."""
+    _log("warming up the compiler")
+    x = torch.ones(8, device=device, requires_grad=True)
+    torch.compile(lambda t: (t * 2).sin().sum())(x).backward()
+
+
 def run_overhead(args: argparse.Namespace) -> dict:
     """Time rank 0's planned program against the plain model on the same local batch, collectives free."""
     if args.steps < 1:
@@ -379,6 +387,8 @@ def run_overhead(args: argparse.Namespace) -> dict:
         atexit.register(shutil.rmtree, cache, True)
     planned, plain, info = _programs(args)
     programs = (planned, plain)
+    if args.compile:
+        _warm_compiler(args.device)
     for prog in programs:  # the first call compiles (with --compile); one more warm-up step
         _log(f"warming up {prog.name}")
         prog.first_s = _timed(prog, args.device)[0]

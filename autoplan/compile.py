@@ -4,6 +4,8 @@ Two ways. ``regional`` (what ``apply_placement(plan, compile=True)`` uses): the 
 backward graphs are cut into regions, one per repeated-layer instance and one per stretch between
 them; regions with the same structure share one compiled kernel set, so compile time grows with
 the number of *distinct* layers, not with depth (a 32-layer model compiles like a 3-layer one).
+Regions are functional ATen graphs with static shapes, so they go to Inductor directly, without
+Dynamo.
 ``backend()``: a ``torch.compile`` backend for the whole parallel module (one graph, slow to
 compile on deep models), kept for users who compile the module themselves.
 
@@ -24,6 +26,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_map
 
+from autoplan.adapters.inductor import aot_backend, compile_graph
 from autoplan.lowering import REGION_KEY, partition
 
 
@@ -32,17 +35,8 @@ def _plan_partition(joint, _joint_inputs, *, num_fwd_outputs: int, **_unused):
 
 
 def backend() -> Callable:
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-
-    return aot_autograd(
-        fw_compiler=compile_fx_inner,
-        bw_compiler=compile_fx_inner,
-        partition_fn=_plan_partition,
-        decompositions=select_decomp_table(),
-        keep_inference_input_mutations=True,
-    )
+    """A ``torch.compile`` backend for a whole parallel module (one graph: slow to compile on deep models)."""
+    return aot_backend(_plan_partition)
 
 
 @dataclass(frozen=True)
@@ -104,12 +98,40 @@ def structure_key(gm: fx.GraphModule) -> tuple:
     return tuple(items)
 
 
-def _inductor(gm: fx.GraphModule) -> torch.nn.Module:
-    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+def _lift_constants(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
+    """``gm`` with its tensor constants turned into trailing inputs (Inductor's graph entry point
+    wants every tensor as an input, as Dynamo would lift them), and the constants in that order."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    anchor = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    constants = []
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:
+        with graph.inserting_before(anchor):
+            lifted = graph.placeholder(f"constant_{len(constants)}")
+        lifted.meta = dict(n.meta)
+        n.replace_all_uses_with(lifted)
+        graph.erase_node(n)
+        constants.append(getattr(gm, n.target))
+    return fx.GraphModule(gm, graph), constants
+
+
+class _Inductor(torch.nn.Module):
+    """A region compiled by Inductor on its first call; shapes are static, so once."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.region, self._constants = _lift_constants(gm)
+        self._compiled: Callable | None = None
+
+    def forward(self, *args):
+        args = (*args, *self._constants)
+        if self._compiled is None:
+            self._compiled = compile_graph(self.region, args)
+        return self._compiled(*args)
 
 
 def compile_regions(
-    gm: fx.GraphModule, compile_region: Callable[[fx.GraphModule], torch.nn.Module] = _inductor
+    gm: fx.GraphModule, compile_region: Callable[[fx.GraphModule], torch.nn.Module] = _Inductor
 ) -> tuple[fx.GraphModule, RegionStats]:
     """``gm`` cut into regions, each structurally distinct region compiled once and shared.
 
