@@ -42,7 +42,7 @@ def test_collective_free_graph_keeps_shapes_and_runs_no_collective():
 
 
 def test_overhead_on_llama_debug(tmp_path, capsys):
-    init_fake_world(8)
+    init_fake_world()  # never shrink the shared fake world: meshes and groups made earlier must stay valid
     out = tmp_path / "overhead.json"
     argv = ["overhead", "--model", "llama3-debug", "--mesh", "2x4", "--dtype", "float32"]
     assert main([*argv, "--seq", "32", "--batch", "2", "--steps", "2", "--json", str(out)]) == 0
@@ -70,7 +70,7 @@ def test_overhead_on_llama_debug(tmp_path, capsys):
 def test_overhead_compiled_on_llama_debug(tmp_path):
     """With --compile the planned graphs (collectives made free first) run through regional
     Inductor and the plain model through torch.compile; Inductor's C++ kernels are counted."""
-    init_fake_world(8)
+    init_fake_world()  # never shrink the shared fake world: meshes and groups made earlier must stay valid
     out = tmp_path / "overhead.json"
     argv = ["overhead", "--model", "llama3-debug", "--mesh", "8", "--dtype", "float32", "--seq", "32"]
     assert main([*argv, "--steps", "1", "--compile", "--json", str(out)]) == 0
