@@ -183,8 +183,10 @@ _PASS_THROUGH = ("all_reduce", "wait_tensor", "broadcast")
 def _free_shard_dim_alltoall(t: torch.Tensor, gather_dim: int, shard_dim: int, n: int) -> torch.Tensor:
     """DTensor's GPU all-to-all (``_dtensor.shard_dim_alltoall``) with the exchange made free: the
     local copies around it (the new shard dim to the front, the gathered dim back) still run."""
-    send = t.unflatten(shard_dim, (n, t.shape[shard_dim] // n)).movedim(shard_dim, 0).contiguous()
-    return send.new_empty(send.shape).movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    from autoplan.adapters.dtensor import chunks_from_front, chunks_to_front
+
+    send = chunks_to_front(t, shard_dim, n).contiguous()
+    return chunks_from_front(send.new_empty(send.shape), gather_dim)
 
 
 def collective_free(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[str, int]]:

@@ -80,7 +80,7 @@ def _is_c10d(n: fx.Node) -> bool:
 
 def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
     """Collectives per kind. On GPU meshes DTensor moves Shard -> Shard with its own synchronous
-    ``_dtensor.shard_dim_alltoall`` (CPU meshes: an all-gather and a local chunk), an all-to-all."""
+    ``_dtensor.shard_dim_alltoall`` (CPU meshes: ``all_to_all_single``), an all-to-all."""
     counts: Counter = Counter()
     for n in gm.graph.nodes:
         if _is_c10d(n):

@@ -229,17 +229,31 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+def chunks_to_front(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``t``'s ``n`` even chunks along ``dim`` stacked on a new leading dim (a view), the layout a
+    collective that only works on dim 0 sends."""
+    if t.shape[dim] % n:
+        raise ValueError(f"dim {dim} of shape {tuple(t.shape)} does not split evenly {n} ways")
+    return t.unflatten(dim, (n, t.shape[dim] // n)).movedim(dim, 0)
+
+
+def chunks_from_front(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of ``chunks_to_front``: the leading dim's blocks laid side by side along ``dim``
+    (a copy unless the blocks already are contiguous there)."""
+    return t.movedim(0, dim).flatten(dim, dim + 1)
+
+
 def _gather_on(t: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
     """All-gather even shards along ``dim``: gathered on dim 0 (the only dim NCCL gathers on), the
     rank blocks then moved next to ``dim`` by one copy."""
     gathered = _waited(_all_gather(t.contiguous(), 0, group))
-    return gathered.unflatten(0, (n, t.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+    return chunks_from_front(gathered.unflatten(0, (n, t.shape[0])), dim)
 
 
 def _reduce_scatter_on(t: torch.Tensor, dim: int, n: int, op: str, group) -> torch.Tensor:
     """Reduce-scatter along ``dim`` (evenly split): the ``n`` chunks moved to the front by one copy,
     then reduce-scattered on dim 0."""
-    chunks = t.unflatten(dim, (n, t.shape[dim] // n)).movedim(dim, 0).flatten(0, 1)
+    chunks = chunks_to_front(t, dim, n).flatten(0, 1)
     return _waited(_reduce_scatter(chunks.contiguous(), op, 0, group))
 
 
@@ -248,11 +262,8 @@ def _all_to_all(t: torch.Tensor, gather_dim: int, shard_dim: int, n: int, group)
     the new shard dim's chunks to the front, one exchange, the received chunks back onto the
     gathered dim (each move a copy only when it is not a view). Built from functional collectives,
     which every process group runs; DTensor's CPU path all-gathers the whole tensor instead."""
-    if t.shape[shard_dim] % n:
-        raise ValueError(f"dim {shard_dim} of shape {tuple(t.shape)} does not split evenly {n} ways")
-    send = t.unflatten(shard_dim, (n, t.shape[shard_dim] // n)).movedim(shard_dim, 0).contiguous()
-    received = _waited(funcol.all_to_all_single(send, None, None, group))
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    send = chunks_to_front(t, shard_dim, n).contiguous()
+    return chunks_from_front(_waited(funcol.all_to_all_single(send, None, None, group)), gather_dim)
 
 
 def _take_chunk(t: torch.Tensor, dim: int, n: int, index: torch.Tensor) -> torch.Tensor:
