@@ -299,7 +299,8 @@ class AutoParallel:
         and the collectives before and after them; the plan actually lowered is ``self.applied_plan``.
         With ``compile`` the forward and backward graphs run through Inductor region by region:
         identical layers share one compiled region, so deep models compile in seconds
-        (``self.regions`` says how many regions there are and how many were compiled).
+        (``self.regions`` says how many regions there are, how many were compiled and how many,
+        too small to be worth it, run eagerly).
         """
         tg = self._require_traced()
         t0 = time.perf_counter()

@@ -42,7 +42,27 @@ def backend() -> Callable:
 @dataclass(frozen=True)
 class RegionStats:
     regions: int  # regions the graph was cut into
-    distinct: int  # regions compiled (the others reuse one of these)
+    distinct: int  # regions compiled (the others reuse one of these or run eagerly)
+    eager: int = 0  # regions with too little compute to be worth a compile (gathers, a lookup)
+
+
+# A region with fewer compute ops than this runs eagerly: a compile costs seconds and there is
+# nothing to fuse (typically a layer's parameter gathers, or an embedding lookup).
+MIN_COMPUTE_OPS = 3
+_ALLOCATIONS = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", "new_zeros", "zeros", "full"})
+
+
+def compute_ops(gm: fx.GraphModule) -> int:
+    """ATen ops in ``gm`` that compute: not views, allocations or collectives."""
+    count = 0
+    for n in gm.graph.nodes:
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        if op.is_view or op.namespace in ("_c10d_functional", "_dtensor") or op._opname in _ALLOCATIONS:
+            continue
+        count += 1
+    return count
 
 
 def region_ids(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -115,6 +135,16 @@ def _lift_constants(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
     return fx.GraphModule(gm, graph), constants
 
 
+def _standalone(example: object) -> object:
+    """A compile-time stand-in for a tensor-subclass input (``LocalTensor``): a fresh tensor of the
+    same shape, strides and dtype. The compiler fakeifies its examples and rebuilds inputs that
+    alias one another (views, detached copies) with ``set_``, which such a subclass cannot take;
+    plain tensors go as they are."""
+    if not isinstance(example, torch.Tensor) or type(example) in (torch.Tensor, torch.nn.Parameter):
+        return example
+    return torch.empty_strided(example.shape, example.stride(), dtype=example.dtype, device=example.device)
+
+
 class _Inductor(torch.nn.Module):
     """A region compiled by Inductor on its first call; shapes are static, so once."""
 
@@ -126,7 +156,7 @@ class _Inductor(torch.nn.Module):
     def forward(self, *args):
         args = (*args, *self._constants)
         if self._compiled is None:
-            self._compiled = compile_graph(self.region, args)
+            self._compiled = compile_graph(self.region, [_standalone(a) for a in args])
         return self._compiled(*args)
 
 
@@ -135,19 +165,23 @@ def compile_regions(
 ) -> tuple[fx.GraphModule, RegionStats]:
     """``gm`` cut into regions, each structurally distinct region compiled once and shared.
 
-    Returns a module with ``gm``'s signature whose regions run compiled; the glue between them is a
-    handful of calls per layer. Compilation itself happens lazily, on the first call.
+    Returns a module with ``gm``'s signature whose regions run compiled (those with fewer than
+    ``MIN_COMPUTE_OPS`` compute ops run eagerly); the glue between them is a handful of calls per
+    layer. Compilation itself happens lazily, on the first call.
     """
     ids = region_ids(gm.graph)
     split = split_module(gm, gm, lambda n: ids[n], keep_original_order=True)
     compiled: dict[tuple, Callable] = {}
-    regions = 0
+    regions = eager = 0
     for name, region in list(split.named_children()):
         if not isinstance(region, fx.GraphModule):
             continue
         regions += 1
+        if compute_ops(region) < MIN_COMPUTE_OPS:
+            eager += 1
+            continue
         key = structure_key(region)
         if key not in compiled:
             compiled[key] = compile_region(region)
         setattr(split, name, compiled[key])
-    return split, RegionStats(regions, len(compiled))
+    return split, RegionStats(regions, len(compiled), eager)

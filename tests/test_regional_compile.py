@@ -6,7 +6,7 @@ import torch
 from conftest import fake_mesh
 from parallel_run import FSDP, LLAMA_TP, plan_and_apply
 
-from autoplan.compile import compile_regions, region_ids, structure_key
+from autoplan.compile import MIN_COMPUTE_OPS, compile_regions, compute_ops, region_ids, structure_key
 from autoplan.lowering import REGION_KEY
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
 
@@ -42,9 +42,33 @@ def test_identical_layers_share_one_compiled_region(tp4):
         split, stats = compile_regions(gm, compile_region)
         assert stats.regions >= 4 and stats.distinct == len(compiled)
         # the middle layers (same neighbours on both sides) reuse one region's code
-        assert stats.distinct <= stats.regions - 1
+        assert stats.distinct <= stats.regions - stats.eager - 1
+        assert all(compute_ops(m) >= MIN_COMPUTE_OPS for m in compiled)
         keys = [structure_key(m) for m in compiled]
         assert len(set(keys)) == len(keys)
+
+
+def test_regions_without_compute_run_eagerly():
+    """A region that only gathers (views and a collective) is not worth a compile; one that computes is."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    gathered = g.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 2, "0"))
+    waited = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (gathered,))
+    flat = g.call_function(torch.ops.aten.view.default, (waited, [-1]))
+    y = g.call_function(torch.ops.aten.sin.default, (flat,))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (y, y))
+    y = g.call_function(torch.ops.aten.add.Tensor, (y, flat))
+    g.output(y)
+    for n, tag in zip(list(g.nodes)[1:-1], ["layers.0"] * 3 + ["layers.1"] * 3):
+        n.meta[REGION_KEY] = tag
+    compiled, compile_region = _counting()
+    _, stats = compile_regions(torch.fx.GraphModule(torch.nn.Module(), g), compile_region)
+    assert (stats.regions, stats.distinct, stats.eager) == (2, 1, 1)
+    assert [str(n.target) for n in compiled[0].graph.nodes if n.op == "call_function"] == [
+        "aten.sin.default",
+        "aten.mul.Tensor",
+        "aten.add.Tensor",
+    ]
 
 
 def test_regions_compute_what_the_graph_computes(tp4):
