@@ -199,12 +199,13 @@ def collective_free(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dic
     indices). DTensor's GPU all-to-all keeps its local copies. What remains is the rank's compute
     and local work. Returns the copy and the collectives replaced, by op name.
     """
+    from autoplan.collectives import communicates
+
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     replaced: dict[str, int] = {}
     for n in list(graph.nodes):
-        namespace = getattr(n.target, "namespace", None) if n.op == "call_function" else None
-        if namespace not in ("_c10d_functional", "_dtensor"):
+        if not communicates(n):
             continue
         name, val = n.target._opname, n.meta.get("val")
         if not isinstance(val, torch.Tensor):

@@ -27,6 +27,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_map
 
 from autoplan.adapters.inductor import aot_backend, compile_graph
+from autoplan.collectives import communicates
 from autoplan.lowering import REGION_KEY, partition
 
 
@@ -57,9 +58,9 @@ def compute_ops(gm: fx.GraphModule) -> int:
     count = 0
     for n in gm.graph.nodes:
         op = n.target
-        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or communicates(n):
             continue
-        if op.is_view or op.namespace in ("_c10d_functional", "_dtensor") or op._opname in _ALLOCATIONS:
+        if op.is_view or op._opname in _ALLOCATIONS:
             continue
         count += 1
     return count

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from autoplan import attention
 from autoplan.adapters.dtensor import local_shape, redistribute
 from autoplan.clustering import instance_of
+from autoplan.collectives import collective_kind, is_c10d
 from autoplan.costs import local_shape as even_local_shape
 from autoplan.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
@@ -37,12 +38,6 @@ from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 from autoplan.validate import GraphCheckError, check_lowered
 
 aten = torch.ops.aten
-COLLECTIVES = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_to_all_single": "all_to_all",
-}
 
 
 REGION_KEY = "autoplan_region"  # the repeated-layer instance a lowered node belongs to ("" outside any)
@@ -74,22 +69,9 @@ class LoweredGraph:
         return count_collectives(graph or self.joint)
 
 
-def _is_c10d(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
-
-
 def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
-    """Collectives per kind. On GPU meshes DTensor moves Shard -> Shard with its own synchronous
-    ``_dtensor.shard_dim_alltoall`` (CPU meshes: ``all_to_all_single``), an all-to-all."""
-    counts: Counter = Counter()
-    for n in gm.graph.nodes:
-        if _is_c10d(n):
-            kind = COLLECTIVES.get(n.target._opname)
-            if kind:
-                counts[kind] += 1
-        elif n.op == "call_function" and n.target is torch.ops._dtensor.shard_dim_alltoall.default:
-            counts["all_to_all"] += 1
-    return dict(sorted(counts.items()))
+    """Data-moving collectives per kind."""
+    return dict(sorted(Counter(k for n in gm.graph.nodes if (k := collective_kind(n))).items()))
 
 
 def output_targets(tg: TracedGraph, plan: Plan, fixed_outputs: dict[int, Placements]) -> list[Placements | None]:
@@ -384,7 +366,7 @@ class _Stitcher:
                 template = make_fx(fn, tracing_mode="real")(*fakes, self.coordinate_fake)
             # DTensor's propagation may run ops while tracing (torch 2.11 on a cold cache): drop what
             # the segment does not return, but keep collectives (every rank must run the same ones)
-            template.graph.eliminate_dead_code(lambda n: n.is_impure() or _is_c10d(n))
+            template.graph.eliminate_dead_code(lambda n: n.is_impure() or is_c10d(n))
             self.templates[key] = template
             self.n_traced += 1
         return self.templates[key]

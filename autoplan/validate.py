@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from autoplan.passes.contiguity import contiguous_by_construction, is_collective
+from autoplan.collectives import is_c10d_collective
+from autoplan.passes.contiguity import contiguous_by_construction
 
 aten = torch.ops.aten
 
@@ -78,7 +79,7 @@ def check_lowered(graph: fx.Graph, mesh: DeviceMesh, root: nn.Module | None = No
             continue
         if not on_host and host_only(node.target):
             raise GraphCheckError(f"{_describe(node)} runs only on the host; the mesh is on {device}")
-        if is_collective(node) and not contiguous_by_construction(node.args[0]):
+        if is_c10d_collective(node) and not contiguous_by_construction(node.args[0]):
             source = node.args[0]
             raise GraphCheckError(
                 f"{_describe(node)} reads {_describe(source)}, which is not contiguous by construction "

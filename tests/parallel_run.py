@@ -9,7 +9,7 @@ import torch
 from conftest import expected_on_cpu
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from autoplan.lowering import COLLECTIVES
+from autoplan.collectives import collective_kind, is_c10d
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -153,8 +153,8 @@ def rerun_collectives(backward) -> dict[str, int]:
     """Collectives the backward runs again (tagged must-recompute: FSDP parameter chains), by kind."""
     reruns: dict[str, int] = {}
     for n in backward.graph.nodes:
-        kind = COLLECTIVES.get(getattr(n.target, "_opname", ""))
-        if n.meta.get(RECOMPUTE_KEY) and kind and getattr(n.target, "namespace", "") == "_c10d_functional":
+        kind = collective_kind(n)
+        if n.meta.get(RECOMPUTE_KEY) and kind and is_c10d(n):
             reruns[kind] = reruns.get(kind, 0) + 1
     return reruns
 

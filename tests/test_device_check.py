@@ -10,8 +10,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
 import autoplan.lowering
+from autoplan.collectives import is_c10d_collective as is_collective
 from autoplan.lowering import LoweringError
-from autoplan.passes.contiguity import contiguous_by_construction, is_collective, make_collective_inputs_contiguous
+from autoplan.passes.contiguity import contiguous_by_construction, make_collective_inputs_contiguous
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
 from autoplan.validate import GraphCheckError, check_lowered, host_only
 

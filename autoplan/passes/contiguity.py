@@ -16,16 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+from autoplan.collectives import c10d, is_c10d_collective
 
-# Functional collectives allocate their results (an all-reduce clones its input contiguous first).
-COLLECTIVES = {
-    c10d.all_gather_into_tensor.default,
-    c10d.reduce_scatter_tensor.default,
-    c10d.all_reduce.default,
-    c10d.all_to_all_single.default,
-}
+aten = torch.ops.aten
+
 # Views whose output is contiguous whenever their input is (a view of a contiguous tensor to a new
 # shape has row-major strides; unit dims do not count for contiguity).
 _KEEPS_CONTIGUITY = {
@@ -47,10 +41,6 @@ class ContiguityStats:
     collectives: int  # collectives in the graph
 
 
-def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in COLLECTIVES
-
-
 def _asks_contiguous(node: fx.Node) -> bool:
     return node.kwargs.get("memory_format", torch.contiguous_format) == torch.contiguous_format
 
@@ -66,7 +56,7 @@ def contiguous_by_construction(node: fx.Node) -> bool:
     if node.target is aten.clone.default:
         return "memory_format" in node.kwargs and _asks_contiguous(node)
     if node.target is c10d.wait_tensor.default:
-        return isinstance(node.args[0], fx.Node) and is_collective(node.args[0])
+        return isinstance(node.args[0], fx.Node) and is_c10d_collective(node.args[0])
     return False
 
 
@@ -79,7 +69,7 @@ def make_collective_inputs_contiguous(graph: fx.Graph) -> ContiguityStats:
     """
     inserted = collectives = 0
     for node in list(graph.nodes):
-        if not is_collective(node):
+        if not is_c10d_collective(node):
             continue
         collectives += 1
         source = node.args[0]

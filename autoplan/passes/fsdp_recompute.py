@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autoplan.collectives import c10d, is_c10d
+
 RECOMPUTE_KEY = "autoplan_recompute"
 
 aten = torch.ops.aten
@@ -48,10 +50,6 @@ class RecomputeStats:
     nodes: int  # nodes tagged must-recompute
 
 
-def _is_collective(n: fx.Node) -> bool:
-    return getattr(n.target, "namespace", None) == "_c10d_functional"
-
-
 def _is_forward(n: fx.Node) -> bool:
     return n.meta.get("partitioner_tag") == "is_forward"
 
@@ -70,7 +68,7 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
     tagged: set[fx.Node] = set()
     chains = 0
     for n in graph.nodes:
-        if not (_is_forward(n) and _is_collective(n) and n.target._opname == "all_gather_into_tensor"):
+        if not (_is_forward(n) and n.target is c10d.all_gather_into_tensor.default):
             continue
         if n in tagged or not _from_parameter(n.args[0], params):
             continue
@@ -82,7 +80,7 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
                 continue
             tagged.add(node)
             for user in node.users:
-                cheap = _is_collective(user) or user.target in _CHEAP
+                cheap = is_c10d(user) or user.target in _CHEAP
                 # multi-input cheap ops (a ``cat`` of gathered chunks) join once all their inputs have
                 if _is_forward(user) and cheap and all(a in tagged for a in user.all_input_nodes):
                     frontier.append(user)
