@@ -173,3 +173,20 @@ def check_run(r: dict) -> None:
     fwd, bwd = r["forward"], r["backward"]
     expected = {k: v + r["reruns"].get(k, 0) for k, v in r["lowered"].items()}
     assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in r["lowered"]} == expected
+
+
+def round_trip_pins(traced) -> list:
+    """Residual adds (the ops of ``layers.N`` itself) hidden-sharded on tp, their aliases gathered:
+    the next residual add wants the add's own placement back, a round trip the pass removes."""
+    import re
+
+    from autoplan.passes.alias_roundtrip import ALIAS_KEY
+    from autoplan.tracing import PATH_KEY, PHASE_KEY
+
+    pins = []
+    for n in traced.gm.graph.nodes:
+        path = n.meta.get(PATH_KEY, "")
+        residual = n.meta.get(PHASE_KEY) == "forward" and not n.meta.get(ALIAS_KEY)
+        if n.op == "call_function" and residual and re.fullmatch(r"layers\.\d+", path):
+            pins += [(n.name, (S0, Shard(2)))] + [(a.name, (S0, R)) for a in n.users if a.meta.get(ALIAS_KEY)]
+    return pins

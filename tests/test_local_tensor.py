@@ -9,7 +9,17 @@ One graph serves all simulated ranks, so this also checks that the lowered graph
 import pytest
 import torch
 from conftest import fake_mesh
-from parallel_run import FSDP, LLAMA_TP, MLP_TP, check_run, graph_report, parallel_run, plan_and_apply, reference_run
+from parallel_run import (
+    FSDP,
+    LLAMA_TP,
+    MLP_TP,
+    check_run,
+    graph_report,
+    parallel_run,
+    plan_and_apply,
+    reference_run,
+    round_trip_pins,
+)
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -43,6 +53,21 @@ def test_llama_debug_eager(pins):
     check_run(r)
     if pins:  # the plan really splits parameters across the simulated ranks
         assert any("Shard" in v for v in r["params"].values())
+
+
+def test_llama_debug_keeping_gathered_weights():
+    """FSDP with ``reshard_after_forward=False``: the backward reuses the forward's gathers."""
+    r = _run("llama", FSDP, compiled=False, reshard_after_forward=False)
+    check_run(r)
+    assert r["regathers"] == 0
+
+
+@pytest.mark.parametrize("remove", [True, False], ids=["removed", "kept"])
+def test_llama_debug_round_trips(remove):
+    """Round trips provoked by pins compute the same whether the pass removes them or not."""
+    r = _run("llama", round_trip_pins, compiled=False, remove_round_trips=remove)
+    check_run(r)
+    assert (r["round_trips"] > 0) == remove
 
 
 def test_llama_debug_inductor_regional():

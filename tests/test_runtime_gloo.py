@@ -20,25 +20,9 @@ from parallel_run import (
     parallel_run,
     plan_and_apply,
     reference_run,
+    round_trip_pins,
 )
 from torch.distributed.tensor import Shard
-
-
-def round_trip_pins(traced) -> list:
-    """Residual adds (the ops of ``layers.N`` itself) hidden-sharded on tp, their aliases gathered:
-    the next residual add wants the add's own placement back, a round trip the pass removes."""
-    import re
-
-    from autoplan.passes.alias_roundtrip import ALIAS_KEY
-    from autoplan.tracing import PATH_KEY, PHASE_KEY
-
-    pins = []
-    for n in traced.gm.graph.nodes:
-        path = n.meta.get(PATH_KEY, "")
-        residual = n.meta.get(PHASE_KEY) == "forward" and not n.meta.get(ALIAS_KEY)
-        if n.op == "call_function" and residual and re.fullmatch(r"layers\.\d+", path):
-            pins += [(n.name, (S0, Shard(2)))] + [(a.name, (S0, R)) for a in n.users if a.meta.get(ALIAS_KEY)]
-    return pins
 
 
 def _run_config(
@@ -65,8 +49,25 @@ def _check(results: list, n_configs: int) -> None:
             check_run(r)
 
 
+def _check_llama(results: list, fsdp: int) -> None:
+    """FSDP (config ``fsdp``) re-gathers in the backward and shards every weight on both mesh dims."""
+    assert results[0][fsdp]["regathers"] > 0
+    sharded = results[0][fsdp]["params"]
+    assert all("Shard(dim=0), Shard(dim=0)" in v for k, v in sharded.items() if k.endswith("weight"))
+
+
+def test_llama_debug():
+    """FSDP and tensor parallelism on real gloo collectives (LocalTensorMode covers the rest of the
+    configurations in one process, the slow matrix below all of them on gloo)."""
+    configs = [(FSDP, False, False), (LLAMA_TP, False, False)]
+    results = run_gloo(_worker, 4, "llama", configs)
+    _check(results, len(configs))
+    _check_llama(results, fsdp=0)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
-def test_llama_debug(compiled):
+def test_llama_debug_matrix(compiled):
     configs = [([], compiled, False), (FSDP, compiled, False), (LLAMA_TP, compiled, False)]
     if not compiled:  # FSDP keeping its gathered weights (reshard_after_forward=False) computes the same
         configs.append((FSDP, compiled, False, False))
@@ -74,12 +75,19 @@ def test_llama_debug(compiled):
         configs += [(round_trip_pins, compiled, False, True, True), (round_trip_pins, compiled, False, True, False)]
     results = run_gloo(_worker, 4, "llama", configs)
     _check(results, len(configs))
-    assert results[0][1]["regathers"] > 0 and (compiled or results[0][3]["regathers"] == 0)
+    _check_llama(results, fsdp=1)
+    assert compiled or results[0][3]["regathers"] == 0
     assert compiled or (results[0][4]["round_trips"] > 0 and results[0][5]["round_trips"] == 0)
-    sharded = results[0][1]["params"]
-    assert all("Shard(dim=0), Shard(dim=0)" in v for k, v in sharded.items() if k.endswith("weight"))
 
 
+def test_small_models_compiled():
+    """The Inductor-compiled module on real gloo collectives: tensor parallelism, then a sharded
+    DTensor output that the loss backpropagates through."""
+    configs = [(MLP_TP, True, False), ([], True, True)]
+    _check(run_gloo(_worker, 4, "mlp", configs), len(configs))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "tied", "weightnorm"])
 def test_small_models(name):
     pins = MLP_TP if name == "mlp" else []
