@@ -320,8 +320,9 @@ def _log(message: str) -> None:
     print(f"[bench overhead] {message}", file=sys.stderr, flush=True)
 
 
-def _programs(args: argparse.Namespace) -> tuple[_Program, _Program, dict]:
-    """Rank 0's planned program and the plain model on the same local batch, materialised on the device."""
+def _programs(args: argparse.Namespace) -> tuple[list[_Program], dict]:
+    """Rank 0's planned program and (unless ``--planned-only``) the plain model on the same local
+    batch, materialised on the device."""
     shape = _mesh_shape(args.mesh)
     plan_args = argparse.Namespace(**vars(args) | {"batch": args.batch * shape[0]})
     _log(f"planning on a fake {args.device} mesh {shape}")
@@ -335,17 +336,19 @@ def _programs(args: argparse.Namespace) -> tuple[_Program, _Program, dict]:
     torch.manual_seed(0)
     pmod.to_empty(device=device)
     pmod.init_weights()
-    model, cfg = _model(args.model, dtype, args.layers)
-    model.to_empty(device=device)
-    model.init_weights()
+    cfg = _config(args.model, args.layers)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
     if args.compile and device == "cpu":
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # Inductor's C++ kernels show in the profiler
-    plain_run = torch.compile(model) if args.compile else model
-    planned = _Program("planned", pmod, pmod, tokens, args.compile)
-    plain = _Program("plain", model, plain_run, tokens, args.compile)
+    programs = [_Program("planned", pmod, pmod, tokens, args.compile)]
+    if not args.planned_only:
+        model, _ = _model(args.model, dtype, args.layers)
+        model.to_empty(device=device)
+        model.init_weights()
+        plain_run = torch.compile(model) if args.compile else model
+        programs.append(_Program("plain", model, plain_run, tokens, args.compile))
     info = {
         "plan_s": plan_s,
         "seq": seq,
@@ -355,7 +358,7 @@ def _programs(args: argparse.Namespace) -> tuple[_Program, _Program, dict]:
         "param_placements": {k: str(v) for k, v in plan.param_placements.items()},
         "planned_cost_s": plan.cost.total,
     }
-    return planned, plain, info
+    return programs, info
 
 
 def _summary(times: list[float]) -> dict:
@@ -388,8 +391,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
     if args.compile:  # compile times from a cold cache: nothing reused from earlier runs on this machine
         cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoplan-bench-inductor-")
         atexit.register(shutil.rmtree, cache, True)
-    planned, plain, info = _programs(args)
-    programs = (planned, plain)
+    programs, info = _programs(args)
     if args.compile:
         _warm_compiler(args.device)
     for prog in programs:  # the first call compiles (with --compile); one more warm-up step
@@ -434,6 +436,9 @@ def run_overhead(args: argparse.Namespace) -> dict:
         + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory timeline")
         + ")"
     )
+    if args.planned_only:
+        _print_overhead(result)
+        return result
     p, q = result["planned"], result["plain"]
     result["ratios"] = {
         "step_time": p["step_s"]["median"] / q["step_s"]["median"],
@@ -456,7 +461,7 @@ def _print_overhead(r: dict) -> None:
         f" {r['dtype']} on {r['device']}{compiled}"
     )
     print(f"collectives made free: {r['collectives_made_free']}")
-    for name in ("planned", "plain"):
+    for name in ("planned", "plain")[: 2 if "plain" in r else 1]:
         p, s = r[name], r[name]["step_s"]
         line = f"{name:>8}: step {s['median'] * 1e3:.1f} ms (min {s['min'] * 1e3:.1f}, max {s['max'] * 1e3:.1f})"
         line += f"  cpu {p['step_cpu_s']['median'] * 1e3:.1f} ms"
@@ -464,7 +469,8 @@ def _print_overhead(r: dict) -> None:
         if "compile_s" in p:
             line += f"  compile {p['compile_s']:.1f} s"
         print(line)
-    print("ratios planned/plain: " + "  ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
+    if "ratios" in r:
+        print("ratios planned/plain: " + "  ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
     if r.get("op_diff"):
         top = list(r["op_diff"].items())[:20]
         print("ATen ops per step, planned minus plain: " + ", ".join(f"{k} {v:+d}" for k, v in top))
@@ -494,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--dtype", default="bfloat16")
     o.add_argument("--steps", type=int, default=3, help="timed steps per program, after two warm-up steps")
     o.add_argument("--json", default=None, help="write the numbers to this file")
+    o.add_argument(
+        "--planned-only", action="store_true", help="skip the plain model (when a full copy does not fit this host)"
+    )
     args = parser.parse_args(argv)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")

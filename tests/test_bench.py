@@ -64,6 +64,11 @@ def test_overhead_on_llama_debug(tmp_path, capsys):
     assert all(math.isfinite(v) and v > 0 for v in r["ratios"].values())
     assert set(r["ratios"]) >= {"step_time", "step_cpu_time", "kernels", "peak_memory"}
     assert "ratios planned/plain" in capsys.readouterr().out
+    # --planned-only (a model whose plain copy does not fit the host): the planned program alone
+    assert main([*argv, "--seq", "32", "--steps", "1", "--planned-only", "--json", str(out)]) == 0
+    alone = json.loads(out.read_text())
+    assert "plain" not in alone and "ratios" not in alone
+    assert alone["planned"]["ops"]["aten.mm"] > 0 and len(alone["planned"]["step_s"]["all"]) == 1
 
 
 @pytest.mark.slow

@@ -47,7 +47,9 @@ def _run(name: str, pins: list, compiled: bool, return_dtensor: bool = False, **
     return result | {"ref_losses": ref.losses} | graph_report(plan, lowered)
 
 
-@pytest.mark.parametrize("pins", [[], FSDP, LLAMA_TP], ids=["free", "fsdp", "tp"])
+@pytest.mark.parametrize(
+    "pins", [[], FSDP, pytest.param(LLAMA_TP, marks=pytest.mark.slow)], ids=["free", "fsdp", "tp"]
+)  # tp: gloo runs it by default
 def test_llama_debug_eager(pins):
     r = _run("llama", pins, compiled=False)
     check_run(r)
@@ -75,11 +77,19 @@ def test_llama_debug_inductor_regional():
     check_run(_run("llama4", LLAMA_TP, compiled=False, compile=True))
 
 
-@pytest.mark.parametrize("name", ["mlp", "tied", "weightnorm"])
-def test_small_models(name):
-    pins = MLP_TP if name == "mlp" else FSDP
-    for compiled in (False, True):
-        check_run(_run(name, pins, compiled))
+@pytest.mark.parametrize(
+    "name, compiled",
+    [
+        ("mlp", False),
+        ("mlp", True),
+        ("tied", False),
+        pytest.param("tied", True, marks=pytest.mark.slow),
+        ("weightnorm", False),
+        pytest.param("weightnorm", True, marks=pytest.mark.slow),
+    ],
+)
+def test_small_models(name, compiled):
+    check_run(_run(name, MLP_TP if name == "mlp" else FSDP, compiled))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
