@@ -22,7 +22,7 @@ from autoplan.clustering import Clustering, find_repeats, untie
 from autoplan.compile import RegionStats, compile_regions
 from autoplan.constraints import ConstraintError, Pin
 from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
-from autoplan.evaluate import evaluate, expand_choice, memory_report
+from autoplan.evaluate import alternatives, evaluate, expand_choice, memory_report
 from autoplan.ilp import BudgetRow, FixedRows, solve_placement
 from autoplan.lowering import lower
 from autoplan.passes import alias_roundtrip
@@ -232,11 +232,24 @@ class AutoParallel:
 
     # ---- solve ----------------------------------------------------------------------------
 
-    def _fixed_rows(self, problem) -> list[FixedRows]:
-        tg = self.traced
-        rows = []
+    def _fixed_outputs(self) -> list[tuple[str, list[fx.Node], Placements]]:
+        """Every user constraint as (its name, the nodes it fixes, their output placements)."""
+        tg = self._require_traced()
+        inputs, tangents = tg.placeholder_for("input"), tg.placeholder_for("tangent")
+        fixed = [(f"input constraint {i} = {placements_str(pl)}", [inputs[i]], pl) for i, pl in self._inputs.items()]
+        fixed += [
+            (f"output constraint {i} = {placements_str(pl)}", [tangents[i]], pl)
+            for i, pl in self._outputs.items()
+            if i in tangents
+        ]
+        for pin in self._pins:
+            name = f"node constraint {pin.target} = {placements_str(pin.placements)}"
+            fixed.append((name, self._pin_targets(pin.target), pin.placements))
+        return fixed
 
-        def fixed(group: str, nodes: list[fx.Node], placements: Placements) -> None:
+    def _fixed_rows(self, problem) -> list[FixedRows]:
+        rows = []
+        for group, nodes, placements in self._fixed_outputs():
             items = []
             for n in nodes:
                 allowed = allowed_strategies(problem, n, placements)
@@ -245,21 +258,16 @@ class AutoParallel:
                 unit = problem.root[problem.clustering.rep[n]][0]
                 items.append((unit, tuple(allowed)))
             rows.append(FixedRows(group, tuple(items)))
-
-        inputs = tg.placeholder_for("input")
-        for i, pl in self._inputs.items():
-            fixed(f"input constraint {i} = {placements_str(pl)}", [inputs[i]], pl)
-        tangents = tg.placeholder_for("tangent")
-        for i, pl in self._outputs.items():
-            if i in tangents:
-                fixed(f"output constraint {i} = {placements_str(pl)}", [tangents[i]], pl)
-        for pin in self._pins:
-            fixed(
-                f"node constraint {pin.target} = {placements_str(pin.placements)}",
-                self._pin_targets(pin.target),
-                pin.placements,
-            )
         return rows
+
+    def _options(self, nodes) -> dict[fx.Node, tuple]:
+        """The strategies each node may take under the user's constraints (for ``explain``)."""
+        options = {n: self.strategies[self.clustering.rep[n]].strategies for n in nodes}
+        for _, fixed, placements in self._fixed_outputs():
+            for n in fixed:
+                if n in options:
+                    options[n] = tuple(s for s in options[n] if s.outputs[0] == tuple(placements))
+        return options
 
     def _budget_rows(self, problem) -> list[BudgetRow]:
         if self._param_budget is None:
@@ -405,6 +413,11 @@ class AutoParallel:
             if self.clustering.rep[n] in self.strategies
         }
         ev = evaluate(tg, chosen, cost_model, self._outputs, rules)
+        why = alternatives(tg, chosen, self._options(rules), cost_model, self._outputs)
+        nodes = {
+            k: dataclasses.replace(v, comm_s=why[k][0], alternatives=why[k][1]) if k in why else v
+            for k, v in ev.nodes.items()
+        }
         mesh_shape = tuple(self.mesh.shape)
         if not math.isclose(ev.cost.total, objective, rel_tol=1e-6, abs_tol=1e-9):
             warnings.warn(
@@ -425,7 +438,7 @@ class AutoParallel:
             mesh_shape=mesh_shape,
             mesh_dim_names=tuple(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else None,
             device=self.device_profile.name,
-            nodes=ev.nodes,
+            nodes=nodes,
             param_placements={fqn: chosen[n].output for fqn, n in tg.placeholder_for("param").items()},
             cost=ev.cost,
             memory=memory_report(tg, chosen, mesh_shape),

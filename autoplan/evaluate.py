@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch.fx as fx
 
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.costs import CostModel, local_bytes
-from autoplan.plan import CostBreakdown, MemoryReport, NodePlan, Plan, Redistribution
+from autoplan.plan import Alternative, CostBreakdown, MemoryReport, NodePlan, Plan, Redistribution
 from autoplan.problem import PlacementProblem, strategy_costs
 from autoplan.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph
@@ -119,6 +120,109 @@ def evaluate(
         if dst is not None:
             move(f"output:{i}", u, o, chosen[u].outputs[k], dst, "forward")
     return Evaluation(nodes, redistributions, CostBreakdown(**totals))
+
+
+@dataclass(frozen=True)
+class _Edge:
+    """A value from ``src`` (output ``k``) to input ``slot`` of ``dst``, or to a sink placed like the
+    placeholder ``dst`` (``slot`` None: a parameter's gradient, an output's tangent) or ``fixed``."""
+
+    src: fx.Node
+    k: int
+    value: fx.Node
+    dst: fx.Node | None
+    slot: int | None
+    fixed: Placements | None = None
+
+
+def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements]) -> list[_Edge]:
+    """Every placement-carrying edge ``evaluate`` prices, with both ends named."""
+    edges = []
+    for n in chosen:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            edges += [_Edge(*value_of(a), a, n, j) for j, a in enumerate(tensor_inputs(n))]
+    params = tg.placeholder_for("param")
+    edges += [_Edge(*value_of(g), g, params[f], None) for f, g in tg.outputs_of("grad_param").items() if g is not None]
+    tangents = tg.placeholder_for("tangent")
+    for i, o in tg.outputs_of("output").items():
+        if isinstance(o, fx.Node) and (i in fixed_outputs or i in tangents):
+            edges.append(_Edge(*value_of(o), o, tangents.get(i), None, fixed_outputs.get(i)))
+    return edges
+
+
+def _node_key(n: fx.Node) -> tuple:
+    if n.op == "placeholder":
+        val = n.meta.get("val")
+        return ("placeholder", tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else ("placeholder",)
+    return _compute_key(n, None)
+
+
+def alternatives(
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    options: dict[fx.Node, tuple[Strategy, ...]],
+    cost_model: CostModel,
+    fixed_outputs: dict[int, Placements],
+    keep: int = 3,
+) -> dict[str, tuple[float, tuple[Alternative, ...]]]:
+    """Per node: the chosen strategy's redistribution seconds (into and out of it) and the ``keep``
+    cheapest other strategies, each priced with every other node's choice kept. This is the local
+    view ``explain`` needs (why this node, given its neighbours); pins and the memory budget are not
+    applied to the alternatives. Identical layers are priced once."""
+    touching: dict[fx.Node, list[_Edge]] = defaultdict(list)
+    for e in _edges(tg, chosen, fixed_outputs):
+        touching[e.src].append(e)
+        if e.dst is not None:
+            touching[e.dst].append(e)
+    compute_cache: dict[tuple, float] = {}
+
+    def compute(n: fx.Node, s: Strategy) -> float:
+        if n.op == "placeholder":
+            return 0.0
+        key = _compute_key(n, s)
+        if key not in compute_cache:
+            compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
+        return compute_cache[key]
+
+    def end(e: _Edge, n: fx.Node, s: Strategy) -> tuple:
+        src = (s if e.src is n else chosen[e.src]).outputs[e.k]
+        if e.dst is None:
+            return src, e.fixed
+        d = s if e.dst is n else chosen[e.dst]
+        return src, d.output if e.slot is None else d.inputs[e.slot]
+
+    def comm(n: fx.Node, s: Strategy) -> float:
+        total = 0.0
+        for e in touching[n]:
+            src, dst = end(e, n, s)
+            if src != dst:
+                total += cost_model.redistribute_cost(src, dst, tensor_meta(e.value.meta["val"]))
+        return total
+
+    memo: dict[tuple, tuple[float, tuple[Alternative, ...]]] = {}
+    out = {}
+    for n, s0 in chosen.items():
+        if n.op == "call_function" and n.target is operator.getitem:
+            continue
+        opts = options.get(n, ())
+        context = tuple(
+            (e.src is n, e.k, e.slot, end(e, n, s0), tuple(e.value.meta["val"].shape), e.value.meta["val"].dtype)
+            for e in touching[n]
+        )
+        key = (_node_key(n), s0, hash(opts), context)
+        if key not in memo:
+            base = compute(n, s0) + comm(n, s0)
+            priced = []
+            for i, s in enumerate(opts):
+                if s == s0:
+                    continue
+                c, m = compute(n, s), comm(n, s)
+                if c + m < float("inf"):
+                    priced.append((c + m, i, Alternative(s.outputs, s.inputs, c, m, c + m - base)))
+            priced.sort(key=lambda t: t[:2])
+            memo[key] = (comm(n, s0), tuple(a for *_, a in priced[:keep]))
+        out[n.name] = memo[key]
+    return out
 
 
 def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: dict[int, Placements]) -> Plan:

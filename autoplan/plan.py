@@ -6,6 +6,7 @@ taken from the reduced ILP, so a reduction bug shows up as a disagreement rather
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections import defaultdict
@@ -49,6 +50,18 @@ def parse_placements(s: str | None) -> Placements | None:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """Another strategy for a node, priced with every other node's choice kept: what switching this
+    node alone would cost (``delta_s`` > 0: slower than the chosen one)."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+    compute_s: float
+    comm_s: float  # redistributions into and out of the node under this strategy
+    delta_s: float
+
+
+@dataclass(frozen=True)
 class NodePlan:
     name: str
     op: str
@@ -58,6 +71,8 @@ class NodePlan:
     inputs: tuple[Placements, ...]
     compute_s: float
     rule: str = ""  # where the strategy came from: "dtensor", "dtensor-1d", "autoplan", "fallback", "placeholder"
+    comm_s: float = 0.0  # redistributions into and out of the node (each is also counted at its other end)
+    alternatives: tuple[Alternative, ...] = ()  # the next-best strategies, cheapest first
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,52 @@ class Plan:
             "planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
         return "\n".join(lines + _pass_lines(self.passes))
+
+    def matching(self, target: str) -> list[NodePlan]:
+        """Nodes named ``target``, or in the module ``target`` (a path or a ``layers.*`` pattern)."""
+        if target in self.nodes:
+            return [self.nodes[target]]
+        pattern = re.compile(re.escape(target).replace(r"\*", r"[^.]+") + r"(\..*)?")
+        found = [n for n in self.nodes.values() if pattern.fullmatch(n.module)]
+        if not found:
+            modules = sorted({_pattern(n.module) for n in self.nodes.values() if n.module})
+            close = difflib.get_close_matches(_pattern(target), modules, n=5) or modules[:10]
+            raise KeyError(f"no node or module {target!r} in the plan; modules include: {', '.join(close)}")
+        return found
+
+    def explain(self, target: str) -> str:
+        """Why ``target`` (a node name or module path) took its placements: each node's chosen
+        strategy with its compute and redistribution seconds, then the next-best alternatives and
+        how much slower each would make the step. Repeated layers given as ``layers.*`` show once."""
+        seen: set[tuple] = set()
+        lines = []
+        for node in self.matching(target):
+            key = (_pattern(node.module), node.op, node.phase, node.inputs, node.outputs)
+            if "*" in target and key in seen:
+                continue
+            seen.add(key)
+            lines += _explain_node(node)
+        return "\n".join(lines)
+
+    def diff(self, other: Plan) -> PlanDiff:
+        """What ``other`` does differently: cost, parameter placements and node strategies, grouped
+        by layer pattern."""
+        params: dict[tuple, int] = defaultdict(int)
+        for fqn, pl in self.param_placements.items():
+            theirs = other.param_placements.get(fqn)
+            if theirs != pl:
+                params[(_pattern(fqn), placements_str(pl), placements_str(theirs))] += 1
+        nodes: dict[tuple, int] = defaultdict(int)
+        for name, a in self.nodes.items():
+            b = other.nodes.get(name)
+            if b is None or (a.inputs, a.outputs) != (b.inputs, b.outputs):
+                nodes[(_pattern(a.module), _short_op(a.op), a.phase, _strategy_str(a), b and _strategy_str(b))] += 1
+        return PlanDiff(
+            cost={k: (getattr(self.cost, k), getattr(other.cost, k)) for k in _COST_FIELDS},
+            collectives=(self.collective_counts(), other.collective_counts()),
+            params=dict(params),
+            nodes=dict(nodes),
+        )
 
     def _mesh_label(self) -> str:
         dims = self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
@@ -278,12 +339,24 @@ def _by_pattern(params: dict[str, Placements]) -> dict[str, tuple[str, int]]:
     return out
 
 
+def _placements_list(ps) -> list[str | None]:
+    return [placements_str(p) for p in ps]
+
+
 def _node_to_dict(n: NodePlan) -> dict:
     return {
         **asdict(n),
-        "outputs": [placements_str(p) for p in n.outputs],
-        "inputs": [placements_str(p) for p in n.inputs],
+        "outputs": _placements_list(n.outputs),
+        "inputs": _placements_list(n.inputs),
+        "alternatives": [
+            {**asdict(a), "outputs": _placements_list(a.outputs), "inputs": _placements_list(a.inputs)}
+            for a in n.alternatives
+        ],
     }
+
+
+def _parse_list(ps: list) -> tuple:
+    return tuple(parse_placements(p) for p in ps)
 
 
 def _node_from_dict(d: dict) -> NodePlan:
@@ -292,8 +365,73 @@ def _node_from_dict(d: dict) -> NodePlan:
         op=d["op"],
         module=d["module"],
         phase=d["phase"],
-        outputs=tuple(parse_placements(p) for p in d["outputs"]),
-        inputs=tuple(parse_placements(p) for p in d["inputs"]),
+        outputs=_parse_list(d["outputs"]),
+        inputs=_parse_list(d["inputs"]),
         compute_s=d["compute_s"],
         rule=d["rule"],
+        comm_s=d.get("comm_s", 0.0),
+        alternatives=tuple(
+            Alternative(_parse_list(a["outputs"]), _parse_list(a["inputs"]), a["compute_s"], a["comm_s"], a["delta_s"])
+            for a in d.get("alternatives", [])
+        ),
     )
+
+
+def _strategy_str(n: NodePlan | Alternative) -> str:
+    ins = ", ".join(placements_str(p) or "-" for p in n.inputs)
+    outs = ", ".join(placements_str(p) or "-" for p in n.outputs)
+    return f"{ins} -> {outs}" if n.inputs else outs
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _explain_node(node: NodePlan) -> list[str]:
+    where = f" in {node.module}" if node.module else ""
+    lines = [
+        f"{node.name}: {node.op}{where} [{node.phase or 'input'}] (rule: {node.rule or '-'})",
+        f"  chosen      {_strategy_str(node)}  compute {_us(node.compute_s)}, redistribution {_us(node.comm_s)}",
+    ]
+    for alt in node.alternatives:
+        lines.append(
+            f"  {'+' + _us(alt.delta_s):<11} {_strategy_str(alt)}  compute {_us(alt.compute_s)},"
+            f" redistribution {_us(alt.comm_s)}"
+        )
+    if not node.alternatives:
+        lines.append("  (no other strategy: the constraints or the op leave one choice)")
+    return lines
+
+
+_COST_FIELDS = ("compute_forward", "compute_backward", "comm_forward", "comm_backward", "total")
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    """Two plans of the same model side by side; keys of ``params`` and ``nodes`` end with the first
+    plan's placements then the second's, and map to how many copies (layers) differ that way."""
+
+    cost: dict[str, tuple[float, float]]  # seconds: (first, second)
+    collectives: tuple[dict[str, int], dict[str, int]]
+    params: dict[tuple, int]  # (pattern, first, second) -> copies
+    nodes: dict[tuple, int]  # (module pattern, op, phase, first, second) -> copies
+
+    @property
+    def same(self) -> bool:
+        return not self.params and not self.nodes
+
+    def __str__(self) -> str:
+        lines = ["cost (ms)            first      second     delta"]
+        for k, (a, b) in self.cost.items():
+            lines.append(f"  {k:<18} {a * 1e3:>9.3f}  {b * 1e3:>9.3f}  {(b - a) * 1e3:>+9.3f}")
+        first, second = self.collectives
+        kinds = sorted({*first, *second})
+        lines.append("collectives: " + ", ".join(f"{k} {first.get(k, 0)} -> {second.get(k, 0)}" for k in kinds))
+        if self.same:
+            return "\n".join([*lines, "same placements everywhere"])
+        lines.append(f"parameters placed differently ({sum(self.params.values())}):")
+        lines += [f"  {p:<44} {a} -> {b}  x{n}" for (p, a, b), n in self.params.items()]
+        lines.append(f"nodes with another strategy ({sum(self.nodes.values())}), by layer pattern:")
+        for (module, op, phase, a, b), n in sorted(self.nodes.items(), key=lambda kv: (kv[0][0], -kv[1])):
+            lines.append(f"  {module or '(top)'} {op} [{phase[:3] or 'in'}] x{n}: {a}  |  {b or 'absent'}")
+        return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""``Plan.explain`` and ``Plan.diff``: why a node took its placements, and what another plan changes."""
+
+import math
+
+import pytest
+import torch
+from conftest import fake_mesh
+from parallel_run import IO, LLAMA_TP, make
+
+from autoplan import AutoParallel, Plan
+
+W1 = "layers.*.feed_forward.w1"
+
+
+def _plan(pins: list, fix_node: tuple | None = None) -> tuple[Plan, str]:
+    """LLaMA debug on a (2, 4) mesh with batch-sharded I/O and ``pins``; returns the plan and the
+    solver status (explain's optimality argument needs a proven optimum)."""
+    build, batch_fn = make("llama", 8)
+    with torch.device("meta"):
+        model = build()
+    with AutoParallel(model, fake_mesh((2, 4), ("dp", "tp")), input_fn=lambda: batch_fn(torch.Generator())) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO])
+        for target, placements in pins + ([fix_node] if fix_node else []):
+            ap.add_node_constraint(target, placements)
+        plan = ap.optimize_placement()
+    return plan, plan.solver["status"]
+
+
+@pytest.fixture(scope="module")
+def free() -> Plan:
+    plan, status = _plan([])
+    assert status == "optimal"
+    return plan
+
+
+@pytest.fixture(scope="module")
+def tp() -> Plan:
+    return _plan(LLAMA_TP)[0]
+
+
+def test_no_single_node_switch_beats_the_optimum(free):
+    """Step time is the nodes' compute plus the redistributions on edges, so switching one node
+    changes only its own terms: at a proven optimum with nothing pinned, no alternative is cheaper."""
+    deltas = [a.delta_s for n in free.nodes.values() for a in n.alternatives]
+    assert deltas and min(deltas) >= -1e-12 * free.cost.total
+    for n in free.nodes.values():  # cheapest first, none repeating the chosen strategy
+        assert [a.delta_s for a in n.alternatives] == sorted(a.delta_s for a in n.alternatives)
+        assert all((a.inputs, a.outputs) != (n.inputs, n.outputs) for a in n.alternatives)
+
+
+def test_forcing_an_alternative_costs_at_most_its_delta(free):
+    """Pinning a node to its next-best output placement and re-solving can only do as well as
+    switching that node alone (the solver may re-arrange the neighbours too)."""
+    mm = next(n for n in free.nodes.values() if n.op == "aten.mm.default" and n.alternatives)
+    alt = mm.alternatives[0]
+    forced, _ = _plan([], (mm.name, alt.outputs[0]))
+    assert forced.nodes[mm.name].outputs[0] == alt.outputs[0]
+    assert free.cost.total * (1 - 1e-9) <= forced.cost.total <= (free.cost.total + alt.delta_s) * (1 + 1e-9)
+
+
+def test_explain_a_module_pattern(tp):
+    text = tp.explain(W1)
+    matmuls = [n for n in tp.matching("layers.0.feed_forward.w1") if n.op == "aten.mm.default"]
+    assert len(matmuls) == 3  # forward, input gradient, weight gradient
+    first = tp.nodes[matmuls[0].name]
+    assert f"{first.name}: aten.mm.default in layers.0.feed_forward.w1 [forward]" in text
+    assert "chosen" in text and "+" in text and " us" in text
+    # under a pattern, layers placed alike show once; under a path, every node of that layer shows
+    nodes = tp.matching(W1)
+    alike = {(n.module.split(".", 2)[2], n.op, n.phase, n.inputs, n.outputs) for n in nodes}
+    assert text.count(": aten.") == len(alike) < len(nodes)
+    assert tp.explain("layers.1.feed_forward.w1").count(": aten.") == len(tp.matching("layers.1.feed_forward.w1"))
+
+
+def test_explain_survives_json_and_names_unknown_targets(tp):
+    again = Plan.from_json(tp.to_json())
+    assert again.nodes == tp.nodes and again.explain(W1) == tp.explain(W1)
+    with pytest.raises(KeyError, match="layers.\\*.feed_forward"):
+        tp.explain("layers.*.feed_fwd")
+
+
+def test_diff_groups_changes_by_layer_pattern(free, tp):
+    assert free.diff(free).same and "same placements everywhere" in str(free.diff(free))
+    d = free.diff(tp)
+    assert not d.same
+    # a pinned weight differs in both layers, reported once under its pattern
+    wo = [(k, n) for k, n in d.params.items() if k[0] == "layers.*.attention.wo.weight"]
+    assert wo and wo[0][1] == 2 and wo[0][0][2] == "S(0)S(1)"
+    moved = [f for f, pl in tp.param_placements.items() if free.param_placements[f] != pl]
+    assert sum(d.params.values()) == len(moved)
+    changed = sum((a.inputs, a.outputs) != (tp.nodes[k].inputs, tp.nodes[k].outputs) for k, a in free.nodes.items())
+    assert sum(d.nodes.values()) == changed > 0
+    assert math.isclose(d.cost["total"][1], tp.cost.total) and math.isclose(d.cost["total"][0], free.cost.total)
+    text = str(d)
+    assert "layers.*.attention.wo.weight" in text and "x2" in text
