@@ -206,6 +206,19 @@ class AutoParallel:
             self._check_placements(f"node constraint {name!r} ({n.name})", output_vals(n)[0], placements)
         self._pins.append(Pin(name, tuple(placements)))
 
+    def remove_node_constraint(self, target: fx.Node | str) -> None:
+        """Drop every pin added for ``target``: with ``add_*`` and a changed ``device_profile`` this
+        explores what-ifs on one trace (each ``optimize_placement`` re-prices from scratch)."""
+        name = target.name if isinstance(target, fx.Node) else str(target)
+        kept = [p for p in self._pins if p.target != name]
+        if len(kept) == len(self._pins):
+            pinned = ", ".join(sorted({p.target for p in self._pins})) or "none"
+            raise ConstraintError(f"no node constraint on {name!r} to remove (pinned: {pinned})")
+        self._pins = kept
+
+    def remove_memory_constraint(self) -> None:
+        self._param_budget = None
+
     def add_memory_constraint(self, param_fraction: float | None = None, bytes_per_device: float | None = None) -> None:
         """Cap per-device parameter bytes, as a fraction of the whole model's or in bytes."""
         if (param_fraction is None) == (bytes_per_device is None):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import fake_mesh
 from parallel_run import IO, LLAMA_TP, make
+from torch.distributed.tensor import Replicate
 
 from autoplan import AutoParallel, Plan
 
@@ -94,3 +95,41 @@ def test_diff_groups_changes_by_layer_pattern(free, tp):
     assert math.isclose(d.cost["total"][1], tp.cost.total) and math.isclose(d.cost["total"][0], free.cost.total)
     text = str(d)
     assert "layers.*.attention.wo.weight" in text and "x2" in text
+
+
+def test_what_if_on_one_trace():
+    """Constraints come and go and the device profile changes on an open ``AutoParallel``; each
+    re-solve prices from scratch, so a changed cost changes the plan."""
+    import dataclasses
+
+    from autoplan.api import ConstraintError
+
+    build, batch_fn = make("llama", 8)
+    with torch.device("meta"):
+        model = build()
+    with AutoParallel(model, fake_mesh((2, 4), ("dp", "tp")), input_fn=lambda: batch_fn(torch.Generator())) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO])
+        base = ap.optimize_placement()
+        for target, placements in LLAMA_TP:
+            ap.add_node_constraint(target, placements)
+        pinned = ap.optimize_placement()
+        for target, _ in LLAMA_TP:
+            ap.remove_node_constraint(target)
+        with pytest.raises(ConstraintError, match="no node constraint"):
+            ap.remove_node_constraint(LLAMA_TP[0][0])
+        again = ap.optimize_placement()
+        # matmuls 1000x slower: duplicating them on the tp ranks no longer pays, so the plan splits them
+        slow = dict(ap.device_profile.peak_flops)
+        ap.device_profile = dataclasses.replace(
+            ap.device_profile, peak_flops=tuple((k, v / 1000) for k, v in slow.items())
+        )
+        slow_compute = ap.optimize_placement()
+    assert again.diff(base).same and not pinned.diff(base).same
+    assert not slow_compute.diff(base).same
+    assert slow_compute.cost.compute_forward < 1000 * base.cost.compute_forward
+
+    def split_on_tp(plan: Plan) -> int:
+        return sum(n.op == "aten.mm.default" and n.outputs[0][1] != Replicate() for n in plan.nodes.values())
+
+    assert split_on_tp(slow_compute) > split_on_tp(base)
