@@ -25,51 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-
-def _fake_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str = "cpu"):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    size = math.prod(shape)
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    if dist.get_world_size() == size:
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if dist.get_world_size() < size:
-        raise SystemExit(f"mesh {shape} needs {size} ranks; the process group has {dist.get_world_size()}")
-    return DeviceMesh(device_type, torch.arange(size).reshape(shape), mesh_dim_names=names)  # a larger world
-
-
-def _config(name: str, layers: int | None = None):
-    from autoplan.models.llama3 import LLAMA3_CONFIGS
-
-    family, _, size = name.partition("-")
-    if family != "llama3" or size not in LLAMA3_CONFIGS:
-        raise SystemExit(f"unknown model {name!r}; choose from " + ", ".join(f"llama3-{k}" for k in LLAMA3_CONFIGS))
-    if layers is not None and layers < 1:
-        raise SystemExit(f"--layers must be at least 1, got {layers}")
-    cfg = LLAMA3_CONFIGS[size]
-    return cfg if layers is None else dataclasses.replace(cfg, n_layers=layers)
-
-
-def _model(name: str, dtype: torch.dtype, layers: int | None = None):
-    from autoplan.models.llama3 import Transformer
-
-    cfg = _config(name, layers)
-    with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
-    return model, cfg
-
-
-def _mesh_shape(spec: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(x) for x in spec.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if not shape or any(n < 1 for n in shape) or len(shape) > 4:
-        raise SystemExit(f"--mesh must be sizes joined by 'x' (e.g. 128 or 16x8), got {spec!r}")
-    return shape
+from autoplan.workloads import fake_mesh, llama_config, llama_model, parse_mesh
 
 
 def _peak_rss_gib() -> float:
@@ -82,9 +38,9 @@ def _planned(args: argparse.Namespace):
 
     from autoplan import AutoParallel
 
-    shape = _mesh_shape(args.mesh)
-    mesh = _fake_mesh(shape, ("dp", "tp", "cp", "pp")[: len(shape)], getattr(args, "device", "cpu"))
-    model, cfg = _model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))
+    shape = parse_mesh(args.mesh)
+    mesh = fake_mesh(shape, getattr(args, "device", "cpu"))
+    model, cfg = llama_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))
     seq = args.seq or min(8192, cfg.max_seq_len)
     batch, vocab = args.batch or max(32, shape[0]), cfg.vocab_size  # the batch must split over dp
     ap = AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)))
@@ -323,7 +279,7 @@ def _log(message: str) -> None:
 def _programs(args: argparse.Namespace) -> tuple[list[_Program], dict]:
     """Rank 0's planned program and (unless ``--planned-only``) the plain model on the same local
     batch, materialised on the device."""
-    shape = _mesh_shape(args.mesh)
+    shape = parse_mesh(args.mesh)
     plan_args = argparse.Namespace(**vars(args) | {"batch": args.batch * shape[0]})
     _log(f"planning on a fake {args.device} mesh {shape}")
     t0 = time.perf_counter()
@@ -336,7 +292,7 @@ def _programs(args: argparse.Namespace) -> tuple[list[_Program], dict]:
     torch.manual_seed(0)
     pmod.to_empty(device=device)
     pmod.init_weights()
-    cfg = _config(args.model, args.layers)
+    cfg = llama_config(args.model, args.layers)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
     if args.compile and device == "cpu":
         import torch._inductor.config as inductor_config
@@ -344,7 +300,7 @@ def _programs(args: argparse.Namespace) -> tuple[list[_Program], dict]:
         inductor_config.cpp.enable_kernel_profile = True  # Inductor's C++ kernels show in the profiler
     programs = [_Program("planned", pmod, pmod, tokens, args.compile)]
     if not args.planned_only:
-        model, _ = _model(args.model, dtype, args.layers)
+        model, _ = llama_model(args.model, dtype, args.layers)
         model.to_empty(device=device)
         model.init_weights()
         plain_run = torch.compile(model) if args.compile else model
@@ -406,7 +362,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             prog.cpu_times.append(cpu)
     result: dict = {
         "model": args.model,
-        "layers": _config(args.model, args.layers).n_layers,
+        "layers": llama_config(args.model, args.layers).n_layers,
         "device": args.device,
         "dtype": args.dtype,
         "compile": args.compile,
@@ -507,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")
     runners = {"plan": run_plan, "apply": run_apply, "overhead": run_overhead}
+    try:  # a bad model, mesh or layer count: say so up front, not in a traceback
+        parse_mesh(args.mesh)
+        llama_config(args.model, getattr(args, "layers", None))
+    except ValueError as e:
+        raise SystemExit(f"autoplan.bench: {e}") from None
     result = runners[args.cmd](args)
     if args.json:
         with open(args.json, "w") as f:

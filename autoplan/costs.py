@@ -5,6 +5,7 @@ The planning host is a CPU; every number here describes the *target* GPUs, so no
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping, Sequence
@@ -88,6 +89,18 @@ H100_SXM = DeviceProfile(
     bandwidth_efficiency=0.8,
     kernel_launch=4e-6,
 )
+# H200 SXM: the H100's compute with 141 GB of faster HBM3e (4.8 TB/s).
+H200_SXM = dataclasses.replace(H100_SXM, name="H200-SXM-141GB", hbm_bandwidth=4.8e12, memory_bytes=141 * 10**9)
+# A100 SXM4 80GB: no fp8; NVLink 3 (600 GB/s both directions), a 200 Gb/s HDR NIC per GPU.
+A100_SXM = dataclasses.replace(
+    H100_SXM,
+    name="A100-SXM4-80GB",
+    peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12), ("float64", 19.5e12)),
+    hbm_bandwidth=2.039e12,
+    intra_node_bandwidth=300e9,
+    inter_node_bandwidth=25e9,
+)
+DEVICE_PROFILES = {"h100": H100_SXM, "h200": H200_SXM, "a100": A100_SXM}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,167 @@
+"""``autoplan``: plan a model from the shell, and read saved plans.
+
+    autoplan plan --model llama3-8b --mesh 16x8 -o plan.json
+    autoplan plan --model mypackage.models:build --mesh 8 --inputs "S(0)" -o plan.json
+    autoplan show plan.json
+    autoplan explain plan.json "layers.*.attention.wq"
+    autoplan diff a.json b.json
+
+A factory (``module:function``) returns ``(model, input_fn)``; build the model on the meta device
+so that planning needs no memory. Planning runs on a fake process group, so any mesh plans here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import sys
+
+import torch
+
+from autoplan.plan import Plan, parse_placements
+
+log = logging.getLogger("autoplan")
+
+
+def _placements(spec: str, ndim: int, what: str) -> tuple:
+    """``"S(0)R"`` for a 2-D mesh; missing trailing dims are replicated."""
+    parts = re.findall(r"R|S\(-?\d+\)|P\(\w+\)", spec)
+    if "".join(parts) != spec.replace(" ", "") or not 0 < len(parts) <= ndim:
+        raise ValueError(f"{what}: expected up to {ndim} placements like 'S(0)R' (R, S(d), P(sum)), got {spec!r}")
+    return parse_placements(spec) + tuple(parse_placements("R" * (ndim - len(parts))))
+
+
+def _workload(args: argparse.Namespace, ndim: int) -> tuple:
+    """The model, its input function and default I/O placements (batch split over the first mesh dim
+    for the named LLaMA models, none for a user factory)."""
+    from autoplan.workloads import llama_model, load_factory
+
+    if ":" in args.model:
+        model, input_fn = load_factory(args.model)
+        return model, input_fn, None
+    model, cfg = llama_model(args.model, getattr(torch, args.dtype), args.layers)
+    seq, batch, vocab = args.seq or min(8192, cfg.max_seq_len), args.batch, cfg.vocab_size
+    return model, lambda: torch.randint(0, vocab, (batch, seq)), "S(0)" + "R" * (ndim - 1)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from autoplan import AutoParallel
+    from autoplan.costs import DEVICE_PROFILES
+    from autoplan.workloads import fake_mesh, parse_mesh
+
+    try:  # every argument checked before the (long) planning starts
+        shape = parse_mesh(args.mesh)
+        args.batch = args.batch or max(32, shape[0])
+        model, input_fn, io_default = _workload(args, len(shape))
+        inputs, outputs = (
+            _placements(spec, len(shape), flag) if spec else None
+            for spec, flag in ((args.inputs or io_default, "--inputs"), (args.outputs or io_default, "--outputs"))
+        )
+        pins = [(p.partition("=")[0], _placements(p.partition("=")[2], len(shape), f"--pin {p}")) for p in args.pin]
+        mesh = fake_mesh(shape)
+    except ValueError as e:
+        raise SystemExit(f"autoplan plan: {e}") from None
+    log.info("tracing %s for mesh %s", args.model, "x".join(map(str, shape)))
+    with AutoParallel(
+        model, mesh, input_fn, device_profile=DEVICE_PROFILES[args.device_profile], attention=args.attention
+    ) as ap:
+        log.info("traced and enumerated strategies: %s", _seconds(ap.timings))
+        if inputs:
+            ap.add_input_constraints([inputs])
+        if outputs:
+            ap.add_output_constraints([outputs])
+        for target, placements in pins:
+            ap.add_node_constraint(target, placements)
+        fraction = args.param_fraction if args.param_fraction is not None else 1 / math.prod(shape)
+        if fraction > 0:
+            ap.add_memory_constraint(param_fraction=fraction)
+        plan = ap.optimize_placement()
+    log.info("solved: %s", _seconds(plan.timings))
+    print(plan.summary())
+    if args.out:
+        plan.to_json(args.out)
+        print(f"\nplan written to {args.out}")
+    return 0
+
+
+def _seconds(timings: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}s" for k, v in timings.items())
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    print(Plan.from_json(args.plan).summary())
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    print(Plan.from_json(args.plan).explain(args.target))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    print(Plan.from_json(args.first).diff(Plan.from_json(args.second)))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from autoplan.costs import DEVICE_PROFILES
+
+    parser = argparse.ArgumentParser(prog="autoplan", description="Plan how to split a PyTorch training step.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log each phase (the 'autoplan' logger)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh (any size: a fake process group)")
+    p.add_argument("--model", default="llama3-8b", help="llama3-{debug,8b,70b} or module:factory")
+    p.add_argument("--mesh", default="16x8", help="mesh shape, e.g. 128 or 16x8")
+    p.add_argument("--layers", type=int, default=None, help="override a named model's number of layers")
+    p.add_argument("--batch", type=int, default=None, help="global batch of a named model (default max(32, dp))")
+    p.add_argument("--seq", type=int, default=None, help="sequence length of a named model (default ≤ 8192)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--inputs", default=None, help="placements of the (first) input, e.g. 'S(0)R'")
+    p.add_argument("--outputs", default=None, help="placements of the (first) output")
+    p.add_argument("--pin", action="append", default=[], help="TARGET=PLACEMENTS, e.g. 'layers.*.wq.weight=S(0)S(0)'")
+    p.add_argument(
+        "--param-fraction",
+        type=float,
+        default=None,
+        help="per-device share of parameter bytes (default 1/ranks; 0: no cap)",
+    )
+    p.add_argument("--device-profile", choices=sorted(DEVICE_PROFILES), default="h100")
+    p.add_argument("--attention", default="auto", help="auto, flash, efficient, cudnn or math")
+    p.add_argument("-o", "--out", default=None, help="write the plan to this JSON file")
+    p.set_defaults(run=cmd_plan)
+    s = sub.add_parser("show", parents=[common], help="print a saved plan's summary")
+    s.add_argument("plan")
+    s.set_defaults(run=cmd_show)
+    e = sub.add_parser("explain", parents=[common], help="why a node or module took its placements")
+    e.add_argument("plan")
+    e.add_argument("target", help="a node name, a module path or a pattern such as 'layers.*.attention'")
+    e.set_defaults(run=cmd_explain)
+    d = sub.add_parser("diff", parents=[common], help="what the second plan does differently, by layer pattern")
+    d.add_argument("first")
+    d.add_argument("second")
+    d.set_defaults(run=cmd_diff)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from autoplan.constraints import ConstraintError
+    from autoplan.strategies import UnsupportedOpError
+    from solvers.result import InfeasibleError, SolverTimeoutError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(format="[%(name)s] %(message)s", level=logging.INFO if args.verbose else logging.WARNING)
+    if getattr(args, "dtype", None) and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise SystemExit(f"autoplan: --dtype must name a torch dtype (e.g. bfloat16), got {args.dtype!r}")
+    try:
+        return args.run(args)
+    except KeyError as e:  # explain: no such node or module (the message lists close ones)
+        raise SystemExit(f"autoplan {args.cmd}: {e.args[0]}") from None
+    except (FileNotFoundError, ConstraintError, UnsupportedOpError, InfeasibleError, SolverTimeoutError) as e:
+        raise SystemExit(f"autoplan {args.cmd}: {e}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
