@@ -47,9 +47,7 @@ def _run(name: str, pins: list, compiled: bool, return_dtensor: bool = False, **
     return result | {"ref_losses": ref.losses} | graph_report(plan, lowered)
 
 
-@pytest.mark.parametrize(
-    "pins", [[], FSDP, pytest.param(LLAMA_TP, marks=pytest.mark.slow)], ids=["free", "fsdp", "tp"]
-)  # tp: gloo runs it by default
+@pytest.mark.parametrize("pins", [[], FSDP, LLAMA_TP], ids=["free", "fsdp", "tp"])
 def test_llama_debug_eager(pins):
     r = _run("llama", pins, compiled=False)
     check_run(r)

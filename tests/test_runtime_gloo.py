@@ -49,6 +49,7 @@ def _check(results: list, n_configs: int) -> None:
             check_run(r)
 
 
+@pytest.mark.slow  # by default examples/example_llama3.py --execute trains llama on gloo, LocalTensorMode runs TP
 def test_llama_debug():
     """FSDP on dp with tensor parallelism on tp, on real gloo collectives (LocalTensorMode covers the
     other configurations in one process, the slow matrix below all of them on gloo)."""

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # by default test_examples trains on 4 gloo processes (spawned, not torchrun)
 def test_torchrun_training_example():
     cmd = [
         sys.executable,
