@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
 import math
 import time
 import warnings
@@ -41,6 +42,8 @@ from autoplan.strategies import (
 )
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 from solvers import SolverTimeoutError
+
+log = logging.getLogger(__name__)  # under "autoplan": the command's --verbose shows it
 
 
 def _check_mesh(mesh: Any) -> DeviceMesh:
@@ -146,6 +149,12 @@ class AutoParallel:
         )
         t2 = time.perf_counter()
         self.timings = {"trace": ta - t0, "aliases": t1 - ta, "strategies": t2 - t1}
+        log.info(
+            "traced %d nodes (%d after clustering) and enumerated strategies in %.2fs",
+            len(self.traced.gm.graph.nodes),
+            len(self.strategies),
+            t2 - t0,
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -439,6 +448,8 @@ class AutoParallel:
                 stacklevel=2,
             )
         t3 = time.perf_counter()
+        status, gap = solved.result.status.value, solved.result.gap
+        log.info("solved (%s, gap %s): estimated step %.3f ms", status, gap, objective * 1e3)
         timings = {
             **self.timings,
             "costs": t1 - t0 - solved.build_time - solved.solve_time,

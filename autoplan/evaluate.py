@@ -174,15 +174,6 @@ def alternatives(
         touching[e.src].append(e)
         if e.dst is not None:
             touching[e.dst].append(e)
-    compute_cache: dict[tuple, float] = {}
-
-    def compute(n: fx.Node, s: Strategy) -> float:
-        if n.op == "placeholder":
-            return 0.0
-        key = _compute_key(n, s)
-        if key not in compute_cache:
-            compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
-        return compute_cache[key]
 
     def end(e: _Edge, n: fx.Node, s: Strategy) -> tuple:
         src = (s if e.src is n else chosen[e.src]).outputs[e.k]
@@ -191,12 +182,12 @@ def alternatives(
         d = s if e.dst is n else chosen[e.dst]
         return src, d.output if e.slot is None else d.inputs[e.slot]
 
-    def comm(n: fx.Node, s: Strategy) -> float:
+    def comm(n: fx.Node, s: Strategy, metas: list) -> float:
         total = 0.0
-        for e in touching[n]:
+        for e, meta in zip(touching[n], metas):
             src, dst = end(e, n, s)
             if src != dst:
-                total += cost_model.redistribute_cost(src, dst, tensor_meta(e.value.meta["val"]))
+                total += cost_model.redistribute_cost(src, dst, meta)
         return total
 
     memo: dict[tuple, tuple[float, tuple[Alternative, ...]]] = {}
@@ -211,16 +202,19 @@ def alternatives(
         )
         key = (_node_key(n), s0, hash(opts), context)
         if key not in memo:
-            base = compute(n, s0) + comm(n, s0)
+            metas = [tensor_meta(e.value.meta["val"]) for e in touching[n]]
+            compute = strategy_costs(n, (s0, *opts), cost_model)  # the op's FLOPs worked out once
+            base_comm = comm(n, s0, metas)
+            base = float(compute[0]) + base_comm
             priced = []
             for i, s in enumerate(opts):
                 if s == s0:
                     continue
-                c, m = compute(n, s), comm(n, s)
+                c, m = float(compute[i + 1]), comm(n, s, metas)
                 if c + m < float("inf"):
                     priced.append((c + m, i, Alternative(s.outputs, s.inputs, c, m, c + m - base)))
             priced.sort(key=lambda t: t[:2])
-            memo[key] = (comm(n, s0), tuple(a for *_, a in priced[:keep]))
+            memo[key] = (base_comm, tuple(a for *_, a in priced[:keep]))
         out[n.name] = memo[key]
     return out
 
@@ -238,5 +232,6 @@ def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: d
 
 def memory_report(tg: TracedGraph, chosen: dict[fx.Node, Strategy], mesh_shape) -> MemoryReport:
     params = tg.placeholder_for("param")
-    total = sum(local_bytes(tensor_meta(n.meta["val"]), chosen[n].output, mesh_shape) for n in params.values())
-    return MemoryReport(param_bytes=total, grad_bytes=total, optimizer_bytes=2 * total)
+    per = {f: local_bytes(tensor_meta(n.meta["val"]), chosen[n].output, mesh_shape) for f, n in params.items()}
+    total = sum(per.values())
+    return MemoryReport(param_bytes=total, grad_bytes=total, optimizer_bytes=2 * total, per_param=per)

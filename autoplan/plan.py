@@ -107,6 +107,7 @@ class MemoryReport:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    per_param: dict[str, int] = field(default_factory=dict)  # FQN -> per-device bytes of that parameter
 
 
 @dataclass
@@ -169,6 +170,15 @@ class Plan:
             "planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
         return "\n".join(lines + _pass_lines(self.passes))
+
+    def param_table(self) -> list[tuple[str, str, int, int]]:
+        """One row per layer pattern (``layers.*.attention.wq.weight``): placements, copies, and
+        per-device bytes of all copies together. A copy placed differently gets its own row."""
+        rows, keys = _by_pattern(self.param_placements), _row_keys(self.param_placements)
+        nbytes: dict[str, int] = defaultdict(int)
+        for fqn, n in self.memory.per_param.items():
+            nbytes[keys[fqn]] += n
+        return [(pattern, pl, copies, nbytes.get(pattern, 0)) for pattern, (pl, copies) in rows.items()]
 
     def matching(self, target: str) -> list[NodePlan]:
         """Nodes named ``target``, or in the module ``target`` (a path or a ``layers.*`` pattern)."""
@@ -327,15 +337,21 @@ def _pattern(path: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".*\1", path)
 
 
+def _row_keys(params: dict[str, Placements]) -> dict[str, str]:
+    """FQN -> its row: the layer pattern, or the FQN itself for a copy placed unlike the first."""
+    first: dict[str, Placements] = {}
+    keys = {}
+    for fqn, pl in params.items():
+        pattern = _pattern(fqn)
+        keys[fqn] = pattern if first.setdefault(pattern, pl) == pl else fqn
+    return keys
+
+
 def _by_pattern(params: dict[str, Placements]) -> dict[str, tuple[str, int]]:
     out: dict[str, tuple[str, int]] = {}
-    for fqn, pl in params.items():
-        key = _pattern(fqn)
-        text = placements_str(pl)
-        if key in out and out[key][0] != text:
-            key = fqn  # a copy placed differently gets its own row
-        prev = out.get(key, (text, 0))
-        out[key] = (text, prev[1] + 1)
+    for fqn, key in _row_keys(params).items():
+        text, n = out.get(key, (placements_str(params[fqn]), 0))
+        out[key] = (text, n + 1)
     return out
 
 
