@@ -33,6 +33,7 @@ from autoplan.passes.contiguity import ContiguityStats, make_collective_inputs_c
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.plan import Plan, placements_str
+from autoplan.progress import progress
 from autoplan.strategies import Placements
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 from autoplan.validate import GraphCheckError, check_lowered
@@ -431,7 +432,8 @@ class _Stitcher:
     def run(self, targets: list, local: list[torch.Tensor]) -> fx.Graph:
         env: dict[fx.Node, object] = {}
         locals_ = iter(local)
-        for node in self.tg.gm.graph.nodes:
+        nodes = self.tg.gm.graph.nodes
+        for node in progress(nodes, "lowering", len(nodes)):
             if node.op == "placeholder":
                 ph = self.graph.placeholder(node.name)
                 ph.meta["val"] = next(locals_)

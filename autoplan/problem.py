@@ -21,6 +21,7 @@ import torch.fx as fx
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering
 from autoplan.costs import CostModel, node_flops
+from autoplan.progress import progress
 from autoplan.strategies import NodeStrategies, Placements, Strategy, output_vals, tensor_inputs, value_of
 from autoplan.tracing import TracedGraph
 
@@ -237,7 +238,7 @@ def build_problem(
         edge_mult[key] += mult
 
     groups: dict[tuple, EdgeGroup] = {}
-    for (ur, k, cr, slot), mult in edge_mult.items():
+    for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
         meta = tensor_meta(output_vals(ur)[k])
         src_unit, src_map = root[ur]
         dst_unit, dst_map = root[cr]

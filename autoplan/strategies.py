@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoplan import attention
 from autoplan.adapters import dtensor as dt
+from autoplan.progress import progress
 from autoplan.tracing import PATH_KEY
 
 Placements = dt.Placements
@@ -316,7 +317,7 @@ def enumerate_strategies(
     enumerated yet (a tied layer reading a later copy's value), every placement is a choice.
     """
     out: dict[fx.Node, NodeStrategies] = {}
-    for n in graph.nodes:
+    for n in progress(graph.nodes, "strategies", len(graph.nodes)):
         if rep[n] is not n:
             continue
         if n.op == "placeholder":

@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,3 +88,17 @@ def test_console_script_is_installed(plans):
     done = subprocess.run(["autoplan", "show", str(plans[0])], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "autoplan plan on mesh (dp=2, tp=4)" in done.stdout
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch):
+    import io
+
+    from autoplan.progress import progress
+
+    items = [1, 2, 3]
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log file: no bar, the items as they are
+    assert progress(items, "costs") is items
+    terminal = io.StringIO()
+    terminal.isatty = lambda: True
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert list(progress(items, "costs", 3)) == items and "autoplan: costs" in terminal.getvalue()

@@ -130,7 +130,9 @@ FSDP_TP = [
 ]
 
 
-@pytest.mark.parametrize("pins, budget", [(FSDP, 1 / 8), (FSDP_TP, 1 / 4)], ids=["fsdp", "fsdp+tp"])
+@pytest.mark.parametrize(
+    "pins, budget", [(FSDP, 1 / 8), pytest.param(FSDP_TP, 1 / 4, marks=pytest.mark.slow)], ids=["fsdp", "fsdp+tp"]
+)
 def test_unpinned_optimum_beats_hand_written_plans(llama, pins, budget):
     free = llama[0] if budget == 1 / 8 else plan_llama(memory_fraction=budget)[0]
     pinned, _, _ = plan_llama(pins=pins, memory_fraction=budget)

@@ -47,7 +47,9 @@ def _run(name: str, pins: list, compiled: bool, return_dtensor: bool = False, **
     return result | {"ref_losses": ref.losses} | graph_report(plan, lowered)
 
 
-@pytest.mark.parametrize("pins", [[], FSDP, LLAMA_TP], ids=["free", "fsdp", "tp"])
+@pytest.mark.parametrize(
+    "pins", [pytest.param([], marks=pytest.mark.slow), FSDP, LLAMA_TP], ids=["free", "fsdp", "tp"]
+)  # free: by default examples/example_llama3.py --execute trains an unpinned plan on gloo
 def test_llama_debug_eager(pins):
     r = _run("llama", pins, compiled=False)
     check_run(r)
@@ -62,7 +64,7 @@ def test_llama_debug_keeping_gathered_weights():
     assert r["regathers"] == 0
 
 
-@pytest.mark.parametrize("remove", [True, False], ids=["removed", "kept"])
+@pytest.mark.parametrize("remove", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["removed", "kept"])
 def test_llama_debug_round_trips(remove):
     """Round trips provoked by pins compute the same whether the pass removes them or not."""
     r = _run("llama", round_trip_pins, compiled=False, remove_round_trips=remove)
