@@ -27,7 +27,7 @@ def expand_choice(tg: TracedGraph, problem: PlacementProblem, choice: dict[fx.No
     out: dict[fx.Node, Strategy] = {}
     rep = problem.clustering.rep
     for n in tg.gm.graph.nodes:
-        if n.op == "placeholder" or (n.op == "call_function" and n.target is not operator.getitem):
+        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and n.target is not operator.getitem):
             r = rep[n]
             unit, m = problem.root[r]
             out[n] = problem.strategies[r][m[choice[unit]]]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -372,6 +373,20 @@ class _Stitcher:
             self.n_traced += 1
         return self.templates[key]
 
+    def constant(self, node: fx.Node) -> fx.Node:
+        """A tensor the model built in ``forward`` (``torch.tensor(...)``): replicated, so every rank
+        gets the traced value as a buffer of the lowered graph."""
+        value = getattr(self.tg.gm, node.target)
+        if isinstance(value, FakeTensor):
+            value = value.constant
+        if not isinstance(value, torch.Tensor):
+            raise LoweringError(f"constant {node.target} (module {node.meta.get(PATH_KEY, '')!r}) has no traced value")
+        name = f"_const{len(self.root._buffers) + len(self.root.__dict__)}"
+        self.root.register_buffer(name, value.to(self.mesh.device_type))
+        attr = self.graph.get_attr(name)
+        attr.meta = {"val": node.meta.get("val")}
+        return attr
+
     def inline(self, template: fx.GraphModule, args: list[fx.Node], region: str = "") -> list:
         """Copy a segment into the graph; every copied node is tagged with ``region`` (its layer
         instance), which regional compilation cuts the per-rank graphs by."""
@@ -438,6 +453,8 @@ class _Stitcher:
                 ph = self.graph.placeholder(node.name)
                 ph.meta["val"] = next(locals_)
                 env[node] = ph
+            elif node.op == "get_attr":
+                env[node] = self.constant(node)
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
             elif node.op == "call_function":

@@ -272,6 +272,10 @@ class StrategyBuilder:
         val = node.meta["val"]
         return NodeStrategies(tuple(Strategy((p,), ()) for p in all_placements(val, self.mesh_shape)), "placeholder")
 
+    def for_constant(self, node: fx.Node) -> NodeStrategies:
+        """A tensor constant of the graph (a mask, a table built in ``forward``): every rank holds it."""
+        return NodeStrategies((Strategy(((Replicate(),) * len(self.mesh_shape),), ()),), "constant")
+
     def for_op(self, node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> NodeStrategies:
         op = node.target
         n_in = len(tensor_inputs(node))
@@ -322,6 +326,8 @@ def enumerate_strategies(
             continue
         if n.op == "placeholder":
             out[n] = builder.for_placeholder(n)
+        elif n.op == "get_attr":
+            out[n] = builder.for_constant(n)
         elif n.op == "call_function" and n.target is not operator.getitem:
             choices = {}
             for a in tensor_inputs(n):

@@ -69,7 +69,11 @@ class _LossWrapper(nn.Module):
 
     def forward(self, *args):
         out = self.model(*args)
-        return out if self.loss_fn is None else self.loss_fn(out)
+        if self.loss_fn is not None:
+            out = self.loss_fn(out)
+        # the outputs' tensors: output dataclasses (Hugging Face's ModelOutput) flatten, and what is no
+        # tensor (a KV cache object, None, a Python number) needs no placement, so it is dropped
+        return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
 
 _PREFIX = "model."
