@@ -2,6 +2,8 @@
 a KV cache. A tiny config (nothing downloaded) plans on a 2x4 mesh and trains one step under
 ``LocalTensorMode`` with the single-device loss and gradients."""
 
+import re
+
 import pytest
 import torch
 from conftest import fake_mesh
@@ -60,3 +62,22 @@ def test_tiny_llama_matches_single_device():
         grads = {n: _plain(p.grad.full_tensor()) for n, p in pmod.named_parameters()}
     bad = [n for n, g in grads.items() if not close(g, ref.get_parameter(n).grad)]
     assert len(grads) == len(list(ref.parameters())) and not bad, bad
+
+
+def test_family_table(capsys):
+    """``examples/example_hf.py`` prints one row per family and mesh; a family that does not plan gets
+    autoplan's error (Falcon's multi-query attention: the module and the way out are named)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        from example_hf import main
+    finally:
+        sys.path.pop(0)
+    fake_mesh((8,))
+    assert main(["--families", "llama,falcon", "--meshes", "8"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^llama\s+8\s+pass\s.* ms$", out, re.M)
+    assert re.search(r"^falcon\s+8\s+FAIL\s.*enable_gqa=True \(module transformer\.h\.0\.self_attention\)", out, re.M)
+    assert "1 of 2 plans made" in out
