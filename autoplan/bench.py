@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from autoplan.workloads import fake_mesh, llama_config, llama_model, parse_mesh
+from autoplan.workloads import fake_mesh, llama_batch, llama_config, llama_model, parse_mesh
 
 
 def _peak_rss_gib() -> float:
@@ -41,8 +41,8 @@ def _planned(args: argparse.Namespace):
     shape = parse_mesh(args.mesh)
     mesh = fake_mesh(shape, getattr(args, "device", "cpu"))
     model, cfg = llama_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))
-    seq = args.seq or min(8192, cfg.max_seq_len)
-    batch, vocab = args.batch or max(32, shape[0]), cfg.vocab_size  # the batch must split over dp
+    batch, seq = llama_batch(cfg, args.batch, args.seq, shape[0])
+    vocab = cfg.vocab_size
     ap = AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)))
     with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)

@@ -15,35 +15,38 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import re
 import sys
 
 import torch
+from torch.distributed.tensor import Replicate
 
-from autoplan.plan import Plan, parse_placements
+from autoplan.plan import Plan, parse_placements_strict
 
 log = logging.getLogger("autoplan")
 
 
 def _placements(spec: str, ndim: int, what: str) -> tuple:
     """``"S(0)R"`` for a 2-D mesh; missing trailing dims are replicated."""
-    parts = re.findall(r"R|S\(-?\d+\)|P\(\w+\)", spec)
-    if "".join(parts) != spec.replace(" ", "") or not 0 < len(parts) <= ndim:
+    try:
+        parts = parse_placements_strict(spec)
+    except ValueError:
+        parts = ()
+    if not 0 < len(parts) <= ndim:
         raise ValueError(f"{what}: expected up to {ndim} placements like 'S(0)R' (R, S(d), P(sum)), got {spec!r}")
-    return parse_placements(spec) + tuple(parse_placements("R" * (ndim - len(parts))))
+    return parts + (Replicate(),) * (ndim - len(parts))
 
 
-def _workload(args: argparse.Namespace, ndim: int) -> tuple:
+def _workload(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple:
     """The model, its input function and default I/O placements (batch split over the first mesh dim
     for the named LLaMA models, none for a user factory)."""
-    from autoplan.workloads import llama_model, load_factory
+    from autoplan.workloads import llama_batch, llama_model, load_factory
 
     if ":" in args.model:
         model, input_fn = load_factory(args.model)
         return model, input_fn, None
     model, cfg = llama_model(args.model, getattr(torch, args.dtype), args.layers)
-    seq, batch, vocab = args.seq or min(8192, cfg.max_seq_len), args.batch, cfg.vocab_size
-    return model, lambda: torch.randint(0, vocab, (batch, seq)), "S(0)" + "R" * (ndim - 1)
+    batch, seq = llama_batch(cfg, args.batch, args.seq, shape[0])
+    return model, lambda: torch.randint(0, cfg.vocab_size, (batch, seq)), "S(0)" + "R" * (len(shape) - 1)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -53,8 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:  # every argument checked before the (long) planning starts
         shape = parse_mesh(args.mesh)
-        args.batch = args.batch or max(32, shape[0])
-        model, input_fn, io_default = _workload(args, len(shape))
+        model, input_fn, io_default = _workload(args, shape)
         inputs, outputs = (
             _placements(spec, len(shape), flag) if spec else None
             for spec, flag in ((args.inputs or io_default, "--inputs"), (args.outputs or io_default, "--outputs"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,10 @@ def _compute_key(n: fx.Node, s: Strategy) -> tuple:
     return (n.target, metas, outs, consts, s)
 
 
+def _phase(n: fx.Node) -> str:
+    return n.meta.get(PHASE_KEY, "backward")
+
+
 def evaluate(
     tg: TracedGraph,
     chosen: dict[fx.Node, Strategy],
@@ -69,21 +74,6 @@ def evaluate(
     redistributions: list[Redistribution] = []
     totals = {"compute_forward": 0.0, "compute_backward": 0.0, "comm_forward": 0.0, "comm_backward": 0.0}
 
-    def phase(n: fx.Node) -> str:
-        return n.meta.get(PHASE_KEY, "backward")
-
-    def move(consumer: str, producer: fx.Node, value: fx.Node, src, dst, ph: str) -> None:
-        if src == dst:
-            return
-        meta = tensor_meta(value.meta["val"])
-        seconds = cost_model.redistribute_cost(src, dst, meta)
-        redistributions.append(
-            Redistribution(
-                consumer, producer.name, src, dst, cost_model.redistribute_collectives(src, dst, meta), seconds, ph
-            )
-        )
-        totals[f"comm_{'forward' if ph == 'forward' else 'backward'}"] += seconds
-
     for n, s in chosen.items():
         compute = 0.0
         if n.op == "call_function" and n.target is not operator.getitem:
@@ -91,63 +81,72 @@ def evaluate(
             if key not in compute_cache:
                 compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
             compute = compute_cache[key]
-            totals[f"compute_{phase(n)}"] += compute
-            for j, a in enumerate(tensor_inputs(n)):
-                u, k = value_of(a)
-                move(n.name, u, a, chosen[u].outputs[k], s.inputs[j], phase(n))
+            totals[f"compute_{_phase(n)}"] += compute
         nodes[n.name] = NodePlan(
             name=n.name,
             op=_op_name(n),
             module=n.meta.get(PATH_KEY, ""),
-            phase=phase(n) if n.op != "placeholder" else "",
+            phase=_phase(n) if n.op != "placeholder" else "",
             outputs=s.outputs,
             inputs=s.inputs,
             compute_s=compute,
             rule=rules.get(n, ""),
         )
 
-    params = tg.placeholder_for("param")
-    for fqn, g in tg.outputs_of("grad_param").items():
-        if g is not None:
-            u, k = value_of(g)
-            move(f"grad:{fqn}", u, g, chosen[u].outputs[k], chosen[params[fqn]].output, "backward")
-    tangents = tg.placeholder_for("tangent")
-    for i, o in tg.outputs_of("output").items():
-        if not isinstance(o, fx.Node):
+    for e in _edges(tg, chosen, fixed_outputs):
+        src, dst = _ends(e, chosen.__getitem__)
+        if src == dst:
             continue
-        u, k = value_of(o)
-        dst = fixed_outputs.get(i, chosen[tangents[i]].output if i in tangents else None)
-        if dst is not None:
-            move(f"output:{i}", u, o, chosen[u].outputs[k], dst, "forward")
+        meta = tensor_meta(e.value.meta["val"])
+        seconds = cost_model.redistribute_cost(src, dst, meta)
+        collectives = cost_model.redistribute_collectives(src, dst, meta)
+        redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase))
+        totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
     return Evaluation(nodes, redistributions, CostBreakdown(**totals))
 
 
 @dataclass(frozen=True)
 class _Edge:
     """A value from ``src`` (output ``k``) to input ``slot`` of ``dst``, or to a sink placed like the
-    placeholder ``dst`` (``slot`` None: a parameter's gradient, an output's tangent) or ``fixed``."""
+    placeholder ``dst`` (``slot`` None: a parameter's gradient, an output's tangent) or ``fixed``.
+    ``consumer`` names the reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``)."""
 
     src: fx.Node
     k: int
     value: fx.Node
     dst: fx.Node | None
     slot: int | None
+    consumer: str
+    phase: str
     fixed: Placements | None = None
 
 
 def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements]) -> list[_Edge]:
-    """Every placement-carrying edge ``evaluate`` prices, with both ends named."""
+    """Every placement-carrying edge of the plan: op inputs in graph order, then the parameters'
+    gradients, then the model outputs with a placement to meet (a constraint, else their tangent's)."""
     edges = []
     for n in chosen:
         if n.op == "call_function" and n.target is not operator.getitem:
-            edges += [_Edge(*value_of(a), a, n, j) for j, a in enumerate(tensor_inputs(n))]
+            edges += [_Edge(*value_of(a), a, n, j, n.name, _phase(n)) for j, a in enumerate(tensor_inputs(n))]
     params = tg.placeholder_for("param")
-    edges += [_Edge(*value_of(g), g, params[f], None) for f, g in tg.outputs_of("grad_param").items() if g is not None]
+    for fqn, g in tg.outputs_of("grad_param").items():
+        if g is not None:
+            edges.append(_Edge(*value_of(g), g, params[fqn], None, f"grad:{fqn}", "backward"))
     tangents = tg.placeholder_for("tangent")
     for i, o in tg.outputs_of("output").items():
         if isinstance(o, fx.Node) and (i in fixed_outputs or i in tangents):
-            edges.append(_Edge(*value_of(o), o, tangents.get(i), None, fixed_outputs.get(i)))
+            dst = None if i in fixed_outputs else tangents[i]
+            edges.append(_Edge(*value_of(o), o, dst, None, f"output:{i}", "forward", fixed_outputs.get(i)))
     return edges
+
+
+def _ends(e: _Edge, strategy_of: Callable[[fx.Node], Strategy]) -> tuple:
+    """The placements ``e`` moves between, with each node's strategy from ``strategy_of``."""
+    src = strategy_of(e.src).outputs[e.k]
+    if e.dst is None:
+        return src, e.fixed
+    d = strategy_of(e.dst)
+    return src, d.output if e.slot is None else d.inputs[e.slot]
 
 
 def _node_key(n: fx.Node) -> tuple:
@@ -176,11 +175,7 @@ def alternatives(
             touching[e.dst].append(e)
 
     def end(e: _Edge, n: fx.Node, s: Strategy) -> tuple:
-        src = (s if e.src is n else chosen[e.src]).outputs[e.k]
-        if e.dst is None:
-            return src, e.fixed
-        d = s if e.dst is n else chosen[e.dst]
-        return src, d.output if e.slot is None else d.inputs[e.slot]
+        return _ends(e, lambda x: s if x is n else chosen[x])
 
     def comm(n: fx.Node, s: Strategy, metas: list) -> float:
         total = 0.0

@@ -381,10 +381,14 @@ class _Stitcher:
             value = value.constant
         if not isinstance(value, torch.Tensor):
             raise LoweringError(f"constant {node.target} (module {node.meta.get(PATH_KEY, '')!r}) has no traced value")
+        return self.buffer(value.to(self.mesh.device_type), {"val": node.meta.get("val")})
+
+    def buffer(self, value: torch.Tensor, meta: dict) -> fx.Node:
+        """``value`` as a new buffer of the lowered module, read by a ``get_attr`` node."""
         name = f"_const{len(self.root._buffers) + len(self.root.__dict__)}"
-        self.root.register_buffer(name, value.to(self.mesh.device_type))
+        self.root.register_buffer(name, value)
         attr = self.graph.get_attr(name)
-        attr.meta = {"val": node.meta.get("val")}
+        attr.meta = meta
         return attr
 
     def inline(self, template: fx.GraphModule, args: list[fx.Node], region: str = "") -> list:
@@ -396,11 +400,7 @@ class _Stitcher:
             if n.op == "placeholder":
                 env[n] = next(it)
             elif n.op == "get_attr":
-                name = f"_const{len(self.root._buffers) + len(self.root.__dict__)}"
-                self.root.register_buffer(name, getattr(template, n.target))
-                env[n] = self.graph.get_attr(name)
-                env[n].meta = dict(n.meta)
-                env[n].meta[REGION_KEY] = region
+                env[n] = self.buffer(getattr(template, n.target), {**n.meta, REGION_KEY: region})
             elif n.op == "output":
                 flat, _ = tree_flatten(n.args[0])
                 return [env[a] if isinstance(a, fx.Node) else a for a in flat]

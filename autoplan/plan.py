@@ -45,8 +45,18 @@ def placements_str(ps: Placements | None) -> str | None:
     return None if ps is None else "".join(placement_str(p) for p in ps)
 
 
+_PLACEMENT = re.compile(r"R|S\(-?\d+\)|P\(\w+\)")
+
+
 def parse_placements(s: str | None) -> Placements | None:
-    return None if s is None else tuple(parse_placement(t) for t in re.findall(r"R|S\(-?\d+\)|P\(\w+\)", s))
+    return None if s is None else tuple(parse_placement(t) for t in _PLACEMENT.findall(s))
+
+
+def parse_placements_strict(s: str) -> Placements:
+    """Like ``parse_placements``, but for text a person typed: anything that is no placement is an error."""
+    if _PLACEMENT.sub("", s.replace(" ", "")):
+        raise ValueError(f"expected placements like 'S(0)R' (R, S(d), P(sum)), got {s!r}")
+    return parse_placements(s)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,12 @@ def llama_model(name: str, dtype: torch.dtype, layers: int | None = None):
     return model, cfg
 
 
+def llama_batch(cfg, batch: int | None, seq: int | None, dp: int) -> tuple[int, int]:
+    """Global batch and sequence length of a LLaMA workload: by default ``max(32, dp)`` sequences
+    (the batch must split over the first mesh dim) of ``min(8192, the model's max)`` tokens."""
+    return batch or max(32, dp), seq or min(8192, cfg.max_seq_len)
+
+
 def load_factory(spec: str) -> tuple[torch.nn.Module, Callable[[], Any]]:
     """``"package.module:factory"``: call ``factory()``, which returns ``(model, input_fn)``."""
     module_name, sep, attr = spec.partition(":")

@@ -61,13 +61,18 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def tiny_config(family: str):
+    from transformers import AutoConfig
 
-    kwargs = {k: v for k, v in FAMILIES[family].items() if v is not None}
-    config = AutoConfig.for_model(family, **kwargs)
+    return AutoConfig.for_model(family, **{k: v for k, v in FAMILIES[family].items() if v is not None})
+
+
+def tiny_model(family: str) -> torch.nn.Module:
+    """The family's tiny model on the meta device (planning needs no memory)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(tiny_config(family))
 
 
 def plan_family(family: str, shape: tuple[int, ...]) -> tuple[bool, str]:

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from autoplan import AutoParallel
 from autoplan.costs import DEVICE_PROFILES
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.workloads import fake_mesh, parse_mesh
+from autoplan.workloads import fake_mesh, llama_batch, parse_mesh
 
 EXECUTE_MESH, EXECUTE_BATCH, EXECUTE_SEQ, EXECUTE_STEPS = (2, 2), 8, 32, 5
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = parse_mesh(args.mesh)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    args.seq_len = args.seq_len or min(8192, cfg.max_seq_len)
+    args.batch, args.seq_len = llama_batch(cfg, args.batch, args.seq_len, shape[0])
     if args.batch % shape[0]:
         raise SystemExit(f"--batch {args.batch} does not split over the first mesh dim ({shape[0]})")
     if "TORCHELASTIC_RUN_ID" in os.environ:

@@ -13,18 +13,23 @@ from autoplan import AutoParallel, Plan
 W1 = "layers.*.feed_forward.w1"
 
 
-def _plan(pins: list, fix_node: tuple | None = None) -> tuple[Plan, str]:
-    """LLaMA debug on a (2, 4) mesh with batch-sharded I/O and ``pins``; returns the plan and the
-    solver status (explain's optimality argument needs a proven optimum)."""
+def _traced() -> AutoParallel:
+    """LLaMA debug traced for a (2, 4) mesh with batch-sharded I/O, open for constraints and solves."""
     build, batch_fn = make("llama", 8)
     with torch.device("meta"):
         model = build()
     with AutoParallel(model, fake_mesh((2, 4), ("dp", "tp")), input_fn=lambda: batch_fn(torch.Generator())) as ap:
         ap.add_input_constraints([IO])
         ap.add_output_constraints([IO])
-        for target, placements in pins + ([fix_node] if fix_node else []):
-            ap.add_node_constraint(target, placements)
-        plan = ap.optimize_placement()
+    return ap
+
+
+def _plan(pins: list, fix_node: tuple | None = None) -> tuple[Plan, str]:
+    """The plan under ``pins`` and the solver status (explain's optimality argument needs a proven optimum)."""
+    ap = _traced()
+    for target, placements in pins + ([fix_node] if fix_node else []):
+        ap.add_node_constraint(target, placements)
+    plan = ap.optimize_placement()
     return plan, plan.solver["status"]
 
 
@@ -104,27 +109,20 @@ def test_what_if_on_one_trace():
 
     from autoplan.api import ConstraintError
 
-    build, batch_fn = make("llama", 8)
-    with torch.device("meta"):
-        model = build()
-    with AutoParallel(model, fake_mesh((2, 4), ("dp", "tp")), input_fn=lambda: batch_fn(torch.Generator())) as ap:
-        ap.add_input_constraints([IO])
-        ap.add_output_constraints([IO])
-        base = ap.optimize_placement()
-        for target, placements in LLAMA_TP:
-            ap.add_node_constraint(target, placements)
-        pinned = ap.optimize_placement()
-        for target, _ in LLAMA_TP:
-            ap.remove_node_constraint(target)
-        with pytest.raises(ConstraintError, match="no node constraint"):
-            ap.remove_node_constraint(LLAMA_TP[0][0])
-        again = ap.optimize_placement()
-        # matmuls 1000x slower: duplicating them on the tp ranks no longer pays, so the plan splits them
-        slow = dict(ap.device_profile.peak_flops)
-        ap.device_profile = dataclasses.replace(
-            ap.device_profile, peak_flops=tuple((k, v / 1000) for k, v in slow.items())
-        )
-        slow_compute = ap.optimize_placement()
+    ap = _traced()
+    base = ap.optimize_placement()
+    for target, placements in LLAMA_TP:
+        ap.add_node_constraint(target, placements)
+    pinned = ap.optimize_placement()
+    for target, _ in LLAMA_TP:
+        ap.remove_node_constraint(target)
+    with pytest.raises(ConstraintError, match="no node constraint"):
+        ap.remove_node_constraint(LLAMA_TP[0][0])
+    again = ap.optimize_placement()
+    # matmuls 1000x slower: duplicating them on the tp ranks no longer pays, so the plan splits them
+    slow = dict(ap.device_profile.peak_flops)
+    ap.device_profile = dataclasses.replace(ap.device_profile, peak_flops=tuple((k, v / 1000) for k, v in slow.items()))
+    slow_compute = ap.optimize_placement()
     assert again.diff(base).same and not pinned.diff(base).same
     assert not slow_compute.diff(base).same
     assert slow_compute.cost.compute_forward < 1000 * base.cost.compute_forward

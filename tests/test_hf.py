@@ -2,7 +2,9 @@
 a KV cache. A tiny config (nothing downloaded) plans on a 2x4 mesh and trains one step under
 ``LocalTensorMode`` with the single-device loss and gradients."""
 
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from autoplan import AutoParallel
 
 transformers = pytest.importorskip("transformers")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples/example_hf.py"
+_spec = importlib.util.spec_from_file_location("example_hf", EXAMPLE)
+example_hf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example_hf)
 
 IO = (Shard(0), Replicate())
 
@@ -23,15 +29,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_tiny_llama_matches_single_device():
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = example_hf.tiny_config("llama")  # 2 layers, grouped-query attention
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (8, 16))
@@ -40,8 +38,7 @@ def test_tiny_llama_matches_single_device():
     ref_loss = out.logits.pow(2).mean()
     ref_loss.backward()
 
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = example_hf.tiny_model("llama")
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, cfg.vocab_size, (8, 16))) as ap:
         ap.add_input_constraints([IO])
@@ -67,16 +64,8 @@ def test_tiny_llama_matches_single_device():
 def test_family_table(capsys):
     """``examples/example_hf.py`` prints one row per family and mesh; a family that does not plan gets
     autoplan's error (Falcon's multi-query attention: the module and the way out are named)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    try:
-        from example_hf import main
-    finally:
-        sys.path.pop(0)
     fake_mesh((8,))
-    assert main(["--families", "llama,falcon", "--meshes", "8"]) == 0
+    assert example_hf.main(["--families", "llama,falcon", "--meshes", "8"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^llama\s+8\s+pass\s.* ms$", out, re.M)
     assert re.search(r"^falcon\s+8\s+FAIL\s.*enable_gqa=True \(module transformer\.h\.0\.self_attention\)", out, re.M)
