@@ -21,8 +21,9 @@ from autoplan.adapters.dtensor import tensor_meta
 from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats, untie
 from autoplan.compile import RegionStats, compile_regions
-from autoplan.constraints import ConstraintError, Pin
+from autoplan.constraints import Pin
 from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
+from autoplan.errors import ConstraintError
 from autoplan.evaluate import alternatives, evaluate, expand_choice, memory_report
 from autoplan.ilp import BudgetRow, FixedRows, solve_placement
 from autoplan.lowering import lower
@@ -242,7 +243,9 @@ class AutoParallel:
     def _pin_targets(self, name: str) -> list[fx.Node]:
         tg = self._require_traced()
         nodes = [n for n in tg.gm.graph.nodes if n.op != "output" and fnmatch.fnmatchcase(n.name, name)]
-        nodes += [n for fqn, n in tg.placeholder_for("param").items() if fnmatch.fnmatchcase(fqn, name)]
+        params = tg.placeholder_for("param")
+        nodes += [n for fqn, n in params.items() if fnmatch.fnmatchcase(fqn, name)]
+        nodes += [params[c] for a, c in tg.tied.items() if c in params and fnmatch.fnmatchcase(a, name)]
         last_forward: dict[str, fx.Node] = {}
         for n in tg.gm.graph.nodes:
             if n.meta.get(PHASE_KEY) == "forward" and n.op == "call_function" and not n.meta.get(ALIAS_KEY):

@@ -149,8 +149,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autoplan.constraints import ConstraintError
-    from autoplan.strategies import UnsupportedOpError
+    from autoplan.errors import AutoplanError
     from solvers.result import InfeasibleError, SolverTimeoutError
 
     args = _parser().parse_args(argv)
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyError as e:  # explain: no such node or module (the message lists close ones)
         raise SystemExit(f"autoplan {args.cmd}: {e.args[0]}") from None
-    except (FileNotFoundError, ConstraintError, UnsupportedOpError, InfeasibleError, SolverTimeoutError) as e:
+    except (FileNotFoundError, AutoplanError, InfeasibleError, SolverTimeoutError) as e:
         raise SystemExit(f"autoplan {args.cmd}: {e}") from None
 
 

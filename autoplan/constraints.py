@@ -9,10 +9,6 @@ from torch.distributed.tensor.placement_types import Placement
 Placements = tuple[Placement, ...]
 
 
-class ConstraintError(ValueError):
-    """A constraint that cannot be applied to this model and mesh (bad target, unsplittable shape...)."""
-
-
 @dataclass(frozen=True)
 class Pin:
     """Fix the output placements of a node (by name), a parameter (by FQN) or a module's forward output.

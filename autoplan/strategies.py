@@ -23,15 +23,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoplan import attention
 from autoplan.adapters import dtensor as dt
+from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
 from autoplan.tracing import PATH_KEY
 
 Placements = dt.Placements
 aten = torch.ops.aten
-
-
-class UnsupportedOpError(RuntimeError):
-    """An op has no sharding rule and strict mode forbids the replicate-only fallback."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoplan import attention as attn
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
+from autoplan.errors import AutoplanError, TracingError
 
 aten = torch.ops.aten
 PATH_KEY = "autoplan_module_path"
@@ -40,6 +44,7 @@ class TracedGraph:
     output_labels: list[OutputLabel]  # one per graph output, in order
     joint: Any = field(repr=False)  # opaque functorch object, for later compilation
     fake_mode: FakeTensorMode = field(repr=False)
+    tied: dict[str, str] = field(default_factory=dict)  # FQN of a shared parameter/buffer -> its traced FQN
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -170,11 +175,20 @@ def _sdpa_kernel_call(
     if attn_mask is not None and is_causal:
         raise ValueError(f"scaled_dot_product_attention got both an attn_mask and is_causal=True {at}")
     if key.shape[-3] != query.shape[-3] and not enable_gqa:
-        raise ValueError(f"query has {query.shape[-3]} heads, key/value {key.shape[-3]}: pass enable_gqa=True {at}")
+        if key.shape[-3] != 1 or value.shape[-3] != 1:
+            raise ValueError(f"query has {query.shape[-3]} heads, key/value {key.shape[-3]}: pass enable_gqa=True {at}")
+        # one key/value head broadcast over the query heads (multi-query attention written without
+        # enable_gqa): torch's fused kernels refuse it, so a GPU runs it on the math path too
+        if option not in ("auto", "math"):
+            raise ValueError(f"attention={option!r} cannot broadcast one key/value head: pass enable_gqa=True {at}")
+        option = "math"
     backend = attn.choose_backend(option, query.dtype, query.shape[-1], attn_mask is not None, where)
     if backend == "math":
+        # the aten kernel reads a mask as an additive bias: F.scaled_dot_product_attention converts
+        # boolean masks before calling it, and so must we
+        bias = None if attn_mask is None else _additive_bias(attn_mask, query.dtype)
         math = aten._scaled_dot_product_attention_math
-        return math(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+        return math(query, key, value, bias, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
     if backend == "flash":
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
     if key.shape[-3] != query.shape[-3]:
@@ -304,6 +318,47 @@ def _drop_empty_outputs(gm: fx.GraphModule, labels: list) -> list:
     return [labels[i] for i in keep]
 
 
+def _shared_names(wrapper: nn.Module) -> dict[str, str]:
+    """Each extra FQN of a tensor that several module attributes share -> the FQN the module lists it by."""
+    named = [*wrapper.named_parameters(remove_duplicate=False), *wrapper.named_buffers(remove_duplicate=False)]
+    first: dict[int, str] = {}
+    for fqn, t in named:
+        first.setdefault(id(t), fqn)
+    return {fqn: first[id(t)] for fqn, t in named if first[id(t)] != fqn}
+
+
+def _merge_tied(gm: fx.GraphModule, in_labels: list, out_labels: list, shared: dict[str, str]) -> None:
+    """One placeholder per tensor that several module attributes share (a tied embedding and head).
+
+    The functionalizing export lifts every attribute separately, so a shared weight would get two
+    placement decisions, count twice in the memory budget and receive two partial gradients. The
+    copies' readers now read the first placeholder, and its gradient is the sum of the copies'.
+    """
+    if not shared:
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kept = {lab[1]: n for n, lab in zip(placeholders, in_labels) if lab[0] in ("param", "buffer")}
+    for fqn, canonical in shared.items():
+        if fqn in kept:
+            kept[fqn].replace_all_uses_with(kept[canonical])
+            gm.graph.erase_node(kept[fqn])
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    grads = dict(zip(out_labels, out.args[0]))
+    for fqn, canonical in shared.items():
+        extra, own = grads.pop(("grad_param", fqn), None), grads.get(("grad_param", canonical))
+        if extra is not None and own is not None:
+            with gm.graph.inserting_before(out):
+                total = gm.graph.call_function(aten.add.Tensor, (own, extra))
+            total.meta = {**own.meta, "val": own.meta["val"] + extra.meta["val"]}
+            grads[("grad_param", canonical)] = total
+        elif extra is not None:
+            grads[("grad_param", canonical)] = extra
+    out_labels[:] = [lab for lab in out_labels if lab in grads]
+    out.args = ([grads[lab] for lab in out_labels],)
+    in_labels[:] = [lab for lab in in_labels if not (lab[0] in ("param", "buffer") and lab[1] in shared)]
+    gm.recompile()
+
+
 def _mutating_ops(gm: fx.GraphModule) -> list[fx.Node]:
     return [
         n
@@ -342,6 +397,86 @@ def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
         n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, attn))
+_DATA_DEPENDENT = "DataDependentOutputException DynamicOutputShapeException GuardOnDataDependentSymNode".split()
+_OP_HINTS = {
+    "aten._grouped_mm.default": "grouped_mm takes bfloat16 inputs only: build the model in bfloat16, or (a"
+    " Hugging Face MoE) pick experts_implementation='batched_mm'",
+}
+
+
+def _source_line(tb) -> str | None:
+    """The innermost frame outside torch and autoplan: the line of model code that made the failing call."""
+    for frame in reversed(traceback.extract_tb(tb)):
+        if not frame.filename.startswith(_LIBRARY_DIRS):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return None
+
+
+def _failing_op(exc: BaseException) -> str | None:
+    """The ATen op torch was running: fake-tensor errors carry it, else the innermost dispatch frame's."""
+    op = getattr(exc, "func", None)
+    tb = exc.__traceback__
+    while op is None and tb is not None:
+        candidate = tb.tb_frame.f_locals.get("func")
+        if isinstance(candidate, torch._ops.OpOverload):
+            op = candidate
+        tb = tb.tb_next
+    return None if op is None else str(op)
+
+
+def _raised_in_torch(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS[0])
+
+
+def _tracing_error(exc: BaseException, module_path: str) -> TracingError:
+    """Name the op, the module and the model's source line of an error torch raised while tracing."""
+    op, source = _failing_op(exc), _source_line(exc.__traceback__)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if type(exc).__name__ in _DATA_DEPENDENT:
+        first = "its result's shape or a Python value read from it depends on tensor data"
+        way_out = (
+            "a plan is made for one static graph (.item(), nonzero, boolean indexing and data-dependent routing"
+            " are not): compute it with static shapes (a Hugging Face MoE: experts_implementation='batched_mm'),"
+            " or outside the model and pass it in as an input"
+        )
+    else:
+        way_out = _OP_HINTS.get(op or "", "the op's checks failed on fake tensors, as they would on the target device")
+    lines = [
+        f"tracing failed in {op or 'an op'} (module {module_path or '<top level>'}): {first}",
+        f"  at {source or '<no model source line>'}",
+        f"  {way_out}",
+    ]
+    return TracingError("\n".join(lines), op=op, module_path=module_path, source=source)
+
+
+def _not_meta_failure(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def _named_failures():
+    """Re-raise errors torch raises while tracing as ``TracingError`` (the original is the cause).
+
+    Fake-tensor mode also logs a failing meta kernel with its full stack; the error says it better.
+    """
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addFilter(_not_meta_failure)
+    try:
+        yield
+    except AutoplanError:
+        raise
+    except Exception as e:
+        if not _raised_in_torch(e):
+            raise
+        raise _tracing_error(e, _current_module_path()) from e
+    finally:
+        fake_log.removeFilter(_not_meta_failure)
+
+
 def trace_joint(
     model: nn.Module,
     input_fn: Callable[[], Any],
@@ -366,14 +501,18 @@ def trace_joint(
     args = make_fake_inputs(input_fn, fake_mode, device)
     joint = None
     with fx_traceback.preserve_node_meta(), _record_module_paths(wrapper), _attention_mode(attention):
-        gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
+        with _named_failures():
+            gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
     if _mutating_ops(gm):
         with contextlib.ExitStack() as stack:
             stack.enter_context(fx_traceback.preserve_node_meta())
             stack.enter_context(_record_module_paths(wrapper))
             stack.enter_context(_attention_mode(attention))
+            stack.enter_context(_named_failures())
             gm, in_labels, out_labels, joint = export_joint(stack, wrapper, args)
         out_labels = _drop_empty_outputs(gm, out_labels)
+        with fake_mode:
+            _merge_tied(gm, in_labels, out_labels, _shared_names(wrapper))
     for node in gm.graph.nodes:
         node.meta[PATH_KEY] = _deepest_path(node)
     _inherit_backward_paths(gm)
@@ -384,4 +523,5 @@ def trace_joint(
         output_labels=[_strip(lab) for lab in out_labels],
         joint=joint,
         fake_mode=fake_mode,
+        tied={_strip(("", a))[1]: _strip(("", b))[1] for a, b in _shared_names(wrapper).items()},
     )

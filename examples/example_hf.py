@@ -14,6 +14,7 @@ import math
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -60,6 +61,10 @@ FAMILIES = {
     "mixtral": _DECODER | dict(num_local_experts=4, num_experts_per_tok=2),
 }
 
+# how a family's model is built: Mixtral's default experts kernel (grouped_mm) takes bfloat16 only and
+# its "eager" one routes tokens with nonzero (data-dependent shapes); "batched_mm" is static and fp32
+MODEL_OPTIONS = {"mixtral": dict(experts_implementation="batched_mm")}
+
 
 def tiny_config(family: str):
     from transformers import AutoConfig
@@ -67,12 +72,21 @@ def tiny_config(family: str):
     return AutoConfig.for_model(family, **{k: v for k, v in FAMILIES[family].items() if v is not None})
 
 
-def tiny_model(family: str) -> torch.nn.Module:
-    """The family's tiny model on the meta device (planning needs no memory)."""
+def _without_dropout(cfg):
+    """The config with every dropout probability zero: a parallel step draws other random numbers."""
+    for key, value in vars(cfg).items():
+        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+            setattr(cfg, key, 0.0)
+    return cfg
+
+
+def tiny_model(family: str, dropout: bool = True, device: str = "meta") -> torch.nn.Module:
+    """The family's tiny model, by default on the meta device (planning needs no memory)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(tiny_config(family))
+    cfg = tiny_config(family) if dropout else _without_dropout(tiny_config(family))
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, **MODEL_OPTIONS.get(family, {}))
 
 
 def plan_family(family: str, shape: tuple[int, ...]) -> tuple[bool, str]:
@@ -92,10 +106,89 @@ def plan_family(family: str, shape: tuple[int, ...]) -> tuple[bool, str]:
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
 
+def _first_local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._local_tensor import LocalTensor
+
+    return t._local_tensors[0] if isinstance(t, LocalTensor) else t
+
+
+@dataclass
+class Numerics:
+    worst: float  # worst relative error over the loss and every parameter gradient
+    bad: list[str]  # what is not fp32-close (allclose with rtol=1e-5, atol=1e-6)
+    sharded: int  # parameters the plan shards (a plan that shards nothing would match trivially)
+
+
+def numerics(family: str, shape: tuple[int, ...] = (2, 2)) -> Numerics:
+    """One training step of the family's plan on ``shape`` under ``LocalTensorMode`` (every rank in this
+    process, real collectives between them) against the same model on one device.
+
+    Loss = mean of the squared logits; dropout is off in both (they would draw different numbers).
+    """
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    torch.manual_seed(0)
+    ref = tiny_model(family, dropout=False, device="cpu")
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ref_loss = ref(tokens).logits.pow(2).mean()
+    ref_loss.backward()
+
+    mesh, io = fake_mesh(shape), (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with AutoParallel(tiny_model(family, dropout=False), mesh, lambda: torch.randint(0, VOCAB, (BATCH, SEQ))) as ap:
+            ap.add_input_constraints([io])
+            ap.add_output_constraints([io])  # output 0: the logits
+            ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
+            plan = ap.optimize_placement()
+            pmod = ap.apply_placement(plan)
+    with LocalTensorMode(math.prod(shape)):
+        pmod.to_empty(device="cpu")
+        for name, b in pmod.named_buffers():  # RoPE tables and the like, which no state dict carries
+            (b.to_local() if isinstance(b, DTensor) else b).copy_(ref.get_buffer(name))
+        pmod.load_state_dict(ref.state_dict())
+        out = pmod(distribute_tensor(tokens, mesh, io).to_local())
+        logits = out[0] if isinstance(out, tuple) else out
+        loss = DTensor.from_local(logits, mesh, io, run_check=False).pow(2).mean()
+        loss.backward()
+        errors = {"loss": (_first_local(loss.full_tensor()), ref_loss.detach())}
+        for name, p in pmod.named_parameters():
+            errors[name] = (_first_local(p.grad.full_tensor()), ref.get_parameter(name).grad)
+    worst, bad = 0.0, []
+    for name, (got, want) in errors.items():
+        # relative to the tensor's norm, or to atol where it is ~0 (a key bias' gradient is round-off)
+        floor = 1e-6 * want.numel() ** 0.5
+        worst = max(worst, float((got - want).norm() / want.norm().clamp_min(floor)))
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            bad.append(name)
+    sharded = sum(any(isinstance(p, Shard) for p in pl) for pl in plan.param_placements.values())
+    return Numerics(worst, bad, sharded)
+
+
+def _print_numerics(family: str) -> bool:
+    t0 = time.perf_counter()
+    try:
+        r = numerics(family)
+    except Exception as e:  # noqa: BLE001 - reported in the table like a planning failure
+        ok, what = False, f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+    else:
+        ok = not r.bad and r.sharded > 0
+        what = f"worst relative error {r.worst:.2e}, {r.sharded} parameters sharded"
+        what += f"; differ: {r.bad}" if r.bad else ""
+    print(f"{family:<11} {'2x2':<5} {'ok' if ok else 'FAIL':<4} {time.perf_counter() - t0:6.1f}s  numerics: {what}")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model types")
     parser.add_argument("--meshes", default="8,2x4", help="comma-separated mesh shapes")
+    parser.add_argument(
+        "--numerics",
+        action="store_true",
+        help="also train one step of each family planned on 2x2 under LocalTensorMode against one device",
+    )
     args = parser.parse_args(argv)
     families = args.families.split(",")
     unknown = [f for f in families if f not in FAMILIES]
@@ -103,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
     meshes = [parse_mesh(m) for m in args.meshes.split(",")]
     fake_mesh((math.prod(max(meshes, key=math.prod)),))  # the fake world, sized for the largest mesh
-    rows, failures = [], 0
+    rows, failures, matched = [], 0, 0
     for family in families:
         for shape in meshes:
             t0 = time.perf_counter()
@@ -111,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             failures += not ok
             rows.append((family, "x".join(map(str, shape)), "pass" if ok else "FAIL", time.perf_counter() - t0, what))
             print(f"{rows[-1][0]:<11} {rows[-1][1]:<5} {rows[-1][2]:<4} {rows[-1][3]:6.1f}s  {what}", flush=True)
+        if args.numerics:
+            matched += _print_numerics(family)
     print(f"\n{len(rows) - failures} of {len(rows)} plans made")
+    if args.numerics:
+        print(f"{matched} of {len(families)} families match single-device on 2x2")
     return 0
 
 

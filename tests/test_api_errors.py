@@ -9,7 +9,7 @@ from conftest import fake_mesh
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autoplan import AutoParallel, ConstraintError, UnsupportedOpError
+from autoplan import AutoParallel, ConstraintError, TracingError, UnsupportedOpError
 from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from solvers import InfeasibleError
@@ -218,3 +218,35 @@ def test_supported_op_does_not_fall_back_for_batch_6(llama, mesh):
             pass
     fallbacks = [str(w.message) for w in rec if "no sharding rule" in str(w.message)]
     assert fallbacks == []
+
+
+class _ReadsAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x) * x.abs().max().item()
+
+
+class _TokenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, tokens):
+        return self.emb(tokens)
+
+
+def test_errors_inside_torch_while_tracing_name_op_module_and_source_line(mesh):
+    """Torch's own errors surface as ``TracingError``: the op, the module path and the model's source
+    line (this file), with torch's exception as the cause; a data-dependent read gets a way out."""
+    with torch.device("meta"):
+        reads, embeds = _ReadsAValue(), _TokenModel()
+    with pytest.raises(TracingError, match=r"static graph") as info:
+        AutoParallel(reads, mesh, lambda: torch.randn(8, 8)).__enter__()
+    assert info.value.op == "aten._local_scalar_dense.default" and info.value.module_path == ""
+    assert "test_api_errors.py" in info.value.source and ".item()" in info.value.source
+    with pytest.raises(TracingError, match=r"aten\.embedding\.default \(module emb\)") as info:
+        AutoParallel(embeds, mesh, lambda: torch.randn(8, 4)).__enter__()  # float "tokens"
+    assert "self.emb(tokens)" in info.value.source and isinstance(info.value.__cause__, RuntimeError)

@@ -305,3 +305,15 @@ def test_query_sequence_parallel_masked_attention_matches_single_device():
     bwd = next(n for n in r["plan"].nodes.values() if n.op == str(backward_op("efficient")))
     assert bwd.outputs[1] == (S0, Partial()) and bwd.outputs[2] == (S0, Partial())
     assert r["lowered"].get("all_reduce", 0) + r["lowered"].get("reduce_scatter", 0) > 0
+
+
+def test_math_option_reads_a_boolean_mask_as_sdpa_does():
+    """The decomposed math kernel adds its mask: a boolean sliding window must reach it as a bias
+    (0 / -inf), as ``F.scaled_dot_product_attention`` converts it, or the step is silently wrong."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    ref = reference_run("attention_masked", batch_rows=8)
+    plan, lowered, pmod = plan_and_apply(mesh, "attention_masked", [], batch_rows=8, attention="math")
+    assert not {n.target for n in lowered.joint.graph.nodes} & {spec.op for spec in attention.SDPA_OPS.values()}
+    with LocalTensorMode(RANKS):
+        result = parallel_run(mesh, pmod, ref, compiled=False, plain=_one_value)
+    check_run(result | {"ref_losses": ref.losses} | graph_report(plan, lowered))

@@ -107,7 +107,7 @@ def test_what_if_on_one_trace():
     re-solve prices from scratch, so a changed cost changes the plan."""
     import dataclasses
 
-    from autoplan.api import ConstraintError
+    from autoplan.errors import ConstraintError
 
     ap = _traced()
     base = ap.optimize_placement()

@@ -1,0 +1,30 @@
+"""The errors autoplan raises: each names the culprit (op, module path, source line, constraint) and a way out.
+
+All derive from ``AutoplanError``, and from the built-in class a caller would already catch.
+"""
+
+from __future__ import annotations
+
+
+class AutoplanError(Exception):
+    """Base of every error autoplan raises on purpose."""
+
+
+class ConstraintError(AutoplanError, ValueError):
+    """A constraint that cannot be applied to this model and mesh (bad target, unsplittable shape...)."""
+
+
+class UnsupportedOpError(AutoplanError, RuntimeError):
+    """An op has no sharding rule and strict mode forbids the replicate-only fallback."""
+
+
+class TracingError(AutoplanError, RuntimeError):
+    """The model's step could not be captured as a static graph on fake tensors.
+
+    The message names the op, the module path and the user's source line; the error torch raised is
+    the ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, op: str | None, module_path: str, source: str | None):
+        super().__init__(message)
+        self.op, self.module_path, self.source = op, module_path, source
