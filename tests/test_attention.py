@@ -279,6 +279,7 @@ def _pinned(kernel: str, placements) -> list:
     return [(name, placements), (name + "_backward", placements)]
 
 
+@pytest.mark.slow  # the flash kernel's numerics stay in the default run with grouped-query attention below
 def test_llama_planned_with_flash_attention_matches_single_device():
     """fp32 LLaMA with tensor-parallel pins planned with flash (the default there, memory-efficient
     attention, runs in every LLaMA test of tests/test_local_tensor.py and tests/test_runtime_gloo.py)."""

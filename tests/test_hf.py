@@ -21,7 +21,7 @@ example_hf = sys.modules["example_hf"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example_hf)
 
 
-FAST = ("llama", "gpt2", "falcon")  # grouped-query; tied embeddings + in-place ops; one broadcast kv head
+FAST = ("gpt2", "falcon")  # tied embeddings and in-place ops (the functionalizing trace); one broadcast kv head
 
 
 @pytest.mark.parametrize(
