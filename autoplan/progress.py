@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -16,3 +17,16 @@ def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterabl
     from tqdm import tqdm
 
     return tqdm(items, desc=f"autoplan: {desc}", total=total, leave=False, mininterval=0.5, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def ticker(desc: str, unit: str) -> Iterator[Callable[[], None]]:
+    """A running count of steps whose total is unknown (module calls while tracing), shown like
+    ``progress``; yields the function that counts one step."""
+    if not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc=f"autoplan: {desc}", unit=f" {unit}", leave=False, mininterval=0.5, file=sys.stderr) as bar:
+        yield bar.update

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from autoplan import attention as attn
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 from autoplan.errors import AutoplanError, TracingError
+from autoplan.progress import ticker
 
 aten = torch.ops.aten
 PATH_KEY = "autoplan_module_path"
@@ -103,12 +104,14 @@ def _fake_skeleton(model: nn.Module, fake_mode: FakeTensorMode, device: torch.de
 
 
 @contextlib.contextmanager
-def _record_module_paths(root: nn.Module):
-    """Keep ``nn_module_stack`` in the tracer's current meta up to date with forward hooks."""
+def _record_module_paths(root: nn.Module, tick: Callable[[], None]):
+    """Keep ``nn_module_stack`` in the tracer's current meta up to date with forward hooks (and count
+    module calls, the progress of a trace)."""
     handles = []
 
     def pre(name: str):
         def hook(mod, args):
+            tick()
             stack = dict(fx_traceback.current_meta.get("nn_module_stack", {}))
             stack[name] = (name, type(mod))
             fx_traceback.current_meta["nn_module_stack"] = stack
@@ -500,13 +503,18 @@ def trace_joint(
     wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn)
     args = make_fake_inputs(input_fn, fake_mode, device)
     joint = None
-    with fx_traceback.preserve_node_meta(), _record_module_paths(wrapper), _attention_mode(attention):
-        with _named_failures():
-            gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
+    with contextlib.ExitStack() as stack:
+        tick = stack.enter_context(ticker("tracing", "module calls"))
+        stack.enter_context(fx_traceback.preserve_node_meta())
+        stack.enter_context(_record_module_paths(wrapper, tick))
+        stack.enter_context(_attention_mode(attention))
+        stack.enter_context(_named_failures())
+        gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
     if _mutating_ops(gm):
         with contextlib.ExitStack() as stack:
+            tick = stack.enter_context(ticker("tracing (functionalized)", "module calls"))
             stack.enter_context(fx_traceback.preserve_node_meta())
-            stack.enter_context(_record_module_paths(wrapper))
+            stack.enter_context(_record_module_paths(wrapper, tick))
             stack.enter_context(_attention_mode(attention))
             stack.enter_context(_named_failures())
             gm, in_labels, out_labels, joint = export_joint(stack, wrapper, args)

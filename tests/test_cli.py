@@ -1,5 +1,6 @@
 """The ``autoplan`` command: plan (a named model or a user factory), show, explain and diff."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -102,3 +103,17 @@ def test_progress_bars_only_on_a_terminal(monkeypatch):
     terminal.isatty = lambda: True
     monkeypatch.setattr(sys, "stderr", terminal)
     assert list(progress(items, "costs", 3)) == items and "autoplan: costs" in terminal.getvalue()
+
+
+def test_tracing_counts_module_calls_on_a_terminal(monkeypatch):
+    import io
+
+    from autoplan.tracing import trace_joint
+
+    terminal = io.StringIO()
+    terminal.isatty = lambda: True
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    trace_joint(model, lambda: torch.randn(2, 4))
+    assert re.search(r"autoplan: tracing: \d+ module calls", terminal.getvalue())
