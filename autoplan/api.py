@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autoplan import memory
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats, untie
@@ -24,7 +25,7 @@ from autoplan.compile import RegionStats, compile_regions
 from autoplan.constraints import Pin
 from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
 from autoplan.errors import ConstraintError
-from autoplan.evaluate import alternatives, evaluate, expand_choice, memory_report
+from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.ilp import BudgetRow, FixedRows, solve_placement
 from autoplan.lowering import lower
 from autoplan.passes import alias_roundtrip
@@ -45,6 +46,8 @@ from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 from solvers import SolverTimeoutError
 
 log = logging.getLogger(__name__)  # under "autoplan": the command's --verbose shows it
+_PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
+_PEAK_GAP = 1e-3  # relative MIP gap of solves under a peak cap
 
 
 def _check_mesh(mesh: Any) -> DeviceMesh:
@@ -113,6 +116,7 @@ class AutoParallel:
         solver_backend: str = "highs",
         time_limit: float | None = None,
         attention: str = "auto",
+        optimizer: memory.OptimizerSpec = memory.ADAMW,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -131,8 +135,11 @@ class AutoParallel:
         self._outputs: dict[int, Placements] = {}
         self._pins: list[Pin] = []
         self._param_budget: float | None = None
+        self._peak_budget: float | None = None
+        self._peak_steps: dict[int, float] = {}  # schedule step the peak is bounded at -> bytes the row misses
         self.timings: dict[str, float] = {}
         self.traced: TracedGraph | None = None
+        self.optimizer = optimizer
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -227,18 +234,35 @@ class AutoParallel:
         self._pins = kept
 
     def remove_memory_constraint(self) -> None:
-        self._param_budget = None
+        self._param_budget = self._peak_budget = None
 
-    def add_memory_constraint(self, param_fraction: float | None = None, bytes_per_device: float | None = None) -> None:
-        """Cap per-device parameter bytes, as a fraction of the whole model's or in bytes."""
-        if (param_fraction is None) == (bytes_per_device is None):
-            raise ConstraintError("give exactly one of param_fraction or bytes_per_device")
+    def add_memory_constraint(
+        self,
+        param_fraction: float | None = None,
+        bytes_per_device: float | None = None,
+        *,
+        param_bytes: float | None = None,
+    ) -> None:
+        """Cap per-device memory: ``bytes_per_device`` bounds the estimated peak of a training step
+        (parameters, gradients, optimizer states, saved activations and temporaries, see
+        ``autoplan.memory``); ``param_fraction`` (of the whole model's) or ``param_bytes`` bound the
+        parameter bytes alone. Each call replaces the caps it names."""
+        if param_fraction is None and bytes_per_device is None and param_bytes is None:
+            raise ConstraintError("give bytes_per_device (the step's peak), or param_fraction or param_bytes")
+        if param_fraction is not None and param_bytes is not None:
+            raise ConstraintError("give one of param_fraction or param_bytes: both cap the parameter bytes")
+        for name, value in (("bytes_per_device", bytes_per_device), ("param_bytes", param_bytes)):
+            if value is not None and not value > 0:
+                raise ConstraintError(f"{name} must be a positive number of bytes, got {value}")
         if param_fraction is not None:
             if not 0 < param_fraction <= 1:
                 raise ConstraintError(f"param_fraction must be in (0, 1], got {param_fraction}")
             total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            bytes_per_device = param_fraction * total
-        self._param_budget = float(bytes_per_device)
+            param_bytes = param_fraction * total
+        if param_bytes is not None:
+            self._param_budget = float(param_bytes)
+        if bytes_per_device is not None:
+            self._peak_budget = float(bytes_per_device)
 
     def _pin_targets(self, name: str) -> list[fx.Node]:
         tg = self._require_traced()
@@ -294,9 +318,32 @@ class AutoParallel:
                     options[n] = tuple(s for s in options[n] if s.outputs[0] == tuple(placements))
         return options
 
-    def _budget_rows(self, problem) -> list[BudgetRow]:
-        if self._param_budget is None:
+    def _peak_rows(self, problem) -> list[BudgetRow]:
+        """The estimated peak at each candidate step, linear in the placements (``autoplan.memory``)."""
+        if self._peak_budget is None:
             return []
+        mesh_shape, params = tuple(self.mesh.shape), set(self.traced.placeholder_for("param").values())
+        names = {step: n.name for n, step in self.schedule.step.items()}
+        rows = []
+        for step, missed in sorted(self._peak_steps.items()):
+            coeffs: dict[fx.Node, np.ndarray] = {}
+            for n in memory.live_storages(self.schedule, step):
+                rep = problem.clustering.rep.get(n)
+                if rep not in problem.root:
+                    continue
+                unit, m = problem.root[rep]
+                per = np.array([memory.value_bytes(n, problem.strategies[rep][i].outputs, mesh_shape) for i in m])
+                if n in params:
+                    per = per * (1 + self.optimizer.bytes_per_param_byte(n.meta["val"].dtype))
+                coeffs[unit] = coeffs.get(unit, 0) + per
+            group = f"memory constraint: estimated peak bytes per device <= {self._peak_budget:.6g}"
+            rows.append(BudgetRow(f"{group} (at {names[step]})", tuple(coeffs.items()), self._peak_budget - missed))
+        return rows
+
+    def _budget_rows(self, problem) -> list[BudgetRow]:
+        rows = self._peak_rows(problem)
+        if self._param_budget is None:
+            return rows
         coeffs: dict[fx.Node, np.ndarray] = {}
         mesh_shape = tuple(self.mesh.shape)
         for n in self.traced.placeholder_for("param").values():
@@ -308,7 +355,7 @@ class AutoParallel:
             per = np.array([local_bytes(meta, problem.strategies[rep][i].output, mesh_shape) for i in m], dtype=float)
             coeffs[unit] = coeffs.get(unit, 0) + per * problem.clustering.multiplicity[rep]
         group = f"memory constraint: parameter bytes per device <= {self._param_budget:.6g}"
-        return [BudgetRow(group, tuple(coeffs.items()), self._param_budget)]
+        return [*rows, BudgetRow(group, tuple(coeffs.items()), self._param_budget)]
 
     def apply_placement(
         self,
@@ -376,10 +423,35 @@ class AutoParallel:
         tg = self.traced
         problem = build_problem(tg, clustering, strategies, cost_model, self._outputs, merge=self.merge_followers)
         fixed, budgets = self._fixed_rows(problem), self._budget_rows(problem)
+        # a peak cap makes the ILP a knapsack the solver proves slowly: 0.1% from the optimum is enough
+        gap = _PEAK_GAP if self._peak_budget is not None else 1e-6
         solved = solve_placement(
-            problem, fixed, budgets, time_limit=time_limit, backend=self.solver_backend, start=start
+            problem, fixed, budgets, time_limit=time_limit, backend=self.solver_backend, mip_rel_gap=gap, start=start
         )
         return problem, solved, expand_choice(tg, problem, solved.choice)
+
+    def _solve_within_peak(self, cost_model: CostModel):
+        """Solve with the peak bounded at candidate steps; where the plan's estimated peak still
+        exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound that
+        step too, less what its row misses, and solve again."""
+        self.schedule = memory.schedule(self.traced)
+        capped = self._peak_budget is not None
+        self._peak_steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
+        mesh_shape, params = tuple(self.mesh.shape), set(self.traced.placeholder_for("param").values())
+        for _ in range(_PEAK_ROUNDS):
+            problem, solved, chosen = self._solve(self.clustering, self.strategies, cost_model, self.time_limit)
+            if self._peak_budget is None:
+                break
+            report = memory.estimate(self.traced, chosen, mesh_shape, self.optimizer, self.schedule)
+            if report.peak_bytes <= self._peak_budget * (1 + 1e-9):
+                break
+            t = next(step for n, step in self.schedule.step.items() if n.name == report.peak_at)
+            linear = memory.linear_peak_bytes(self.schedule, t, chosen, params, mesh_shape, self.optimizer)
+            missed = max(self._peak_steps.get(t, 0.0), report.peak_bytes - linear)
+            if t in self._peak_steps and missed <= self._peak_steps[t]:
+                break  # nothing new to bound: the estimate below says by how much the cap is missed
+            self._peak_steps[t] = missed
+        return problem, solved, chosen
 
     def _refine(
         self,
@@ -415,7 +487,7 @@ class AutoParallel:
         tg = self._require_traced()
         t0 = time.perf_counter()
         cost_model = CostModel(self.mesh, self.device_profile)
-        problem, solved, chosen = self._solve(self.clustering, self.strategies, cost_model, self.time_limit)
+        problem, solved, chosen = self._solve_within_peak(cost_model)
         t1 = time.perf_counter()
         clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
         for group in self.clustering.boundary:
@@ -444,6 +516,14 @@ class AutoParallel:
             for k, v in ev.nodes.items()
         }
         mesh_shape = tuple(self.mesh.shape)
+        report = memory.estimate(tg, chosen, mesh_shape, self.optimizer, self.schedule)
+        if self._peak_budget is not None and report.peak_bytes > self._peak_budget * (1 + 1e-9):
+            warnings.warn(
+                f"the plan's estimated peak {report.peak_bytes:.6g} bytes per device (at {report.peak_at})"
+                f" exceeds bytes_per_device={self._peak_budget:.6g}: the candidate steps bounded in the ILP"
+                f" ({len(self._peak_steps)}) did not catch it",
+                stacklevel=2,
+            )
         if not math.isclose(ev.cost.total, objective, rel_tol=1e-6, abs_tol=1e-9):
             warnings.warn(
                 f"reduced ILP objective {objective:.6g}s differs from the expanded plan's"
@@ -468,7 +548,7 @@ class AutoParallel:
             nodes=nodes,
             param_placements={fqn: chosen[n].output for fqn, n in tg.placeholder_for("param").items()},
             cost=ev.cost,
-            memory=memory_report(tg, chosen, mesh_shape),
+            memory=report,
             redistributions=ev.redistributions,
             solver=solved.result.to_dict() | {"x": None},
             ilp={

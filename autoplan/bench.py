@@ -1,10 +1,11 @@
-"""Benchmarks: ``python -m autoplan.bench plan|apply|overhead --model llama3-8b --mesh 16x8 [--json out.json]``.
+"""Benchmarks: ``python -m autoplan.bench plan|apply|overhead|memory --model llama3-8b --mesh 16x8 [--json out.json]``.
 
 ``plan`` plans on a fake process group (no GPUs, no peers), prints wall time per phase, ILP size,
 objective, gap and peak RSS, then applies the plan (post-solve passes + lowering, timed as its own
 phase) to report what the passes did and the collectives before and after them. ``apply`` times
 lowering alone. ``overhead`` runs rank 0's planned program for real (collectives made free) next
 to the plain model on the same local batch: step time, kernels and peak memory, and their ratios.
+``memory`` runs rank 0's planned step and prints its measured peak beside the plan's estimate.
 """
 
 from __future__ import annotations
@@ -276,9 +277,9 @@ def _log(message: str) -> None:
     print(f"[bench overhead] {message}", file=sys.stderr, flush=True)
 
 
-def _programs(args: argparse.Namespace) -> tuple[list[_Program], dict]:
+def _programs(args: argparse.Namespace, keep_plan: bool = False) -> tuple[list[_Program], dict]:
     """Rank 0's planned program and (unless ``--planned-only``) the plain model on the same local
-    batch, materialised on the device."""
+    batch, materialised on the device (and the plan itself under ``"plan"`` with ``keep_plan``)."""
     shape = parse_mesh(args.mesh)
     plan_args = argparse.Namespace(**vars(args) | {"batch": args.batch * shape[0]})
     _log(f"planning on a fake {args.device} mesh {shape}")
@@ -314,6 +315,8 @@ def _programs(args: argparse.Namespace) -> tuple[list[_Program], dict]:
         "param_placements": {k: str(v) for k, v in plan.param_placements.items()},
         "planned_cost_s": plan.cost.total,
     }
+    if keep_plan:
+        info["plan"] = plan
     return programs, info
 
 
@@ -432,6 +435,54 @@ def _print_overhead(r: dict) -> None:
         print("ATen ops per step, planned minus plain: " + ", ".join(f"{k} {v:+d}" for k, v in top))
 
 
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def run_memory(args: argparse.Namespace) -> dict:
+    """Rank 0's planned step run for real (collectives free) next to the plan's memory estimate.
+
+    The measured peak is resident bytes (local parameters, buffers, input) plus the allocator's rise
+    during one forward+backward (``torch.cuda.max_memory_allocated`` on a GPU, the profiler's memory
+    timeline elsewhere). No optimizer runs, so it is compared with the estimated peak less the
+    optimizer states.
+    """
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a GPU (torch.cuda.is_available() is False)")
+    torch.set_flush_denormal(True)
+    run_args = argparse.Namespace(**vars(args) | {"compile": False, "planned_only": True})
+    (prog,), info = _programs(run_args, keep_plan=True)
+    plan = info.pop("plan")
+    _timed(prog, args.device)  # a warm-up step: lazy initialisation is not the step's memory
+    measured = _probe(prog, args.device)["peak_bytes"]
+    m = plan.memory
+    estimated = m.peak_bytes - m.optimizer_bytes
+    result = {
+        "model": args.model,
+        "layers": llama_config(args.model, args.layers).n_layers,
+        "device": args.device,
+        "dtype": args.dtype,
+        "local_batch": args.batch,
+        **{k: v for k, v in info.items() if k != "param_placements"},
+        "measured_peak_bytes": measured,
+        "estimated_step_peak_bytes": estimated,
+        "estimate_over_measured": estimated / measured,
+        "estimate": dataclasses.asdict(m) | {"per_param": None},
+        "measured_method": "resident bytes + the allocator's peak rise in one forward+backward ("
+        + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory timeline")
+        + "); no optimizer step",
+    }
+    print(
+        f"{args.model} x{result['layers']} layers, mesh {result['mesh']}, local batch {args.batch}x{result['seq']},"
+        f" {args.dtype} on {args.device}"
+    )
+    print(
+        f"peak per device: measured {measured / 2**20:.1f} MiB, estimated {estimated / 2**20:.1f} MiB"
+        f" ({(estimated / measured - 1) * 100:+.1f}%), at {m.peak_at} ({m.peak_phase})"
+    )
+    print("estimated peak parts: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in m.peak_parts.items()))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoplan.bench", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -459,10 +510,14 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument(
         "--planned-only", action="store_true", help="skip the plain model (when a full copy does not fit this host)"
     )
+    m = sub.add_parser("memory", help="rank 0's measured peak memory beside the plan's estimate")
+    for action in o._actions[1:]:
+        if action.dest not in ("compile", "steps", "planned_only"):
+            m._add_action(action)
     args = parser.parse_args(argv)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")
-    runners = {"plan": run_plan, "apply": run_apply, "overhead": run_overhead}
+    runners = {"plan": run_plan, "apply": run_apply, "overhead": run_overhead, "memory": run_memory}
     try:  # a bad model, mesh or layer count: say so up front, not in a traceback
         parse_mesh(args.mesh)
         llama_config(args.model, getattr(args, "layers", None))

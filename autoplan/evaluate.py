@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.costs import CostModel, local_bytes
-from autoplan.plan import Alternative, CostBreakdown, MemoryReport, NodePlan, Plan, Redistribution
+from autoplan.costs import CostModel
+from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
 from autoplan.problem import PlacementProblem, strategy_costs
 from autoplan.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph
@@ -223,10 +223,3 @@ def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: d
     return dataclasses.replace(
         plan, nodes=ev.nodes, cost=ev.cost, redistributions=ev.redistributions, passes=dict(plan.passes)
     )
-
-
-def memory_report(tg: TracedGraph, chosen: dict[fx.Node, Strategy], mesh_shape) -> MemoryReport:
-    params = tg.placeholder_for("param")
-    per = {f: local_bytes(tensor_meta(n.meta["val"]), chosen[n].output, mesh_shape) for f, n in params.items()}
-    total = sum(per.values())
-    return MemoryReport(param_bytes=total, grad_bytes=total, optimizer_bytes=2 * total, per_param=per)

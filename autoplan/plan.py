@@ -112,12 +112,18 @@ class CostBreakdown:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Per-device bytes: parameters, their gradients (same placements) and Adam's two states."""
+    """Per-device bytes of one training step (``autoplan.memory``): parameters, gradients, optimizer
+    states, the activations saved for backward, and the peak of the step with what is alive then."""
 
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
     per_param: dict[str, int] = field(default_factory=dict)  # FQN -> per-device bytes of that parameter
+    activation_bytes: int = 0  # forward values the backward reads
+    peak_bytes: int = 0  # the most bytes alive at once, optimizer states included
+    peak_at: str = ""  # the node running then
+    peak_phase: str = ""
+    peak_parts: dict[str, int] = field(default_factory=dict)  # what is alive at the peak, by kind
 
 
 @dataclass
@@ -153,7 +159,9 @@ class Plan:
             f" / bwd {self.cost.compute_backward * 1e3:.2f}, comm fwd {self.cost.comm_forward * 1e3:.2f}"
             f" / bwd {self.cost.comm_backward * 1e3:.2f})",
             f"memory per device: params {_gib(self.memory.param_bytes)}, grads {_gib(self.memory.grad_bytes)},"
-            f" optimizer {_gib(self.memory.optimizer_bytes)}",
+            f" optimizer {_gib(self.memory.optimizer_bytes)}, activations saved {_gib(self.memory.activation_bytes)}",
+            f"estimated peak: {_gib(self.memory.peak_bytes)} at {self.memory.peak_at} ({self.memory.peak_phase}): "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in self.memory.peak_parts.items()),
             "",
             f"{'parameter':<48} {'placement':<14} copies",
         ]
@@ -340,7 +348,11 @@ def _short_op(op: str) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes in the largest binary unit that keeps a leading digit (a debug model has no GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _pattern(path: str) -> str:

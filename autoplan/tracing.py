@@ -401,6 +401,7 @@ def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, attn))
+_OUR_MODELS = os.path.join(_LIBRARY_DIRS[1], "models") + os.sep  # model code, though shipped with autoplan
 _DATA_DEPENDENT = "DataDependentOutputException DynamicOutputShapeException GuardOnDataDependentSymNode".split()
 _OP_HINTS = {
     "aten._grouped_mm.default": "grouped_mm takes bfloat16 inputs only: build the model in bfloat16, or (a"
@@ -411,7 +412,7 @@ _OP_HINTS = {
 def _source_line(tb) -> str | None:
     """The innermost frame outside torch and autoplan: the line of model code that made the failing call."""
     for frame in reversed(traceback.extract_tb(tb)):
-        if not frame.filename.startswith(_LIBRARY_DIRS):
+        if frame.filename.startswith(_OUR_MODELS) or not frame.filename.startswith(_LIBRARY_DIRS):
             return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
     return None
 

@@ -64,10 +64,12 @@ def test_too_small_memory_budget_names_the_memory_constraint(llama, mesh):
 
 def test_memory_constraint_arguments_are_checked(llama, mesh):
     with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
-        with pytest.raises(ConstraintError, match="exactly one"):
+        with pytest.raises(ConstraintError, match="give bytes_per_device"):
             ap.add_memory_constraint()
-        with pytest.raises(ConstraintError, match="exactly one"):
-            ap.add_memory_constraint(param_fraction=0.5, bytes_per_device=10)
+        with pytest.raises(ConstraintError, match="one of param_fraction or param_bytes"):
+            ap.add_memory_constraint(param_fraction=0.5, param_bytes=10)
+        with pytest.raises(ConstraintError, match="bytes_per_device must be a positive number of bytes"):
+            ap.add_memory_constraint(bytes_per_device=-1)
         with pytest.raises(ConstraintError, match="param_fraction"):
             ap.add_memory_constraint(param_fraction=0)
         with pytest.raises(ConstraintError, match="param_fraction"):

@@ -1,0 +1,210 @@
+"""Per-device memory of a plan: what a training step keeps alive, step by step, and its peak.
+
+A stage beside ``costs``: it reads the joint graph and a strategy per node and prices bytes instead
+of seconds. The schedule is the joint graph's order (forward, then backward), which is the order the
+lowered per-rank program runs in. At each step the live bytes are:
+
+- resident: parameters, buffers and the input batch (local shards), and the optimizer's states;
+- values: every op output from the step that makes it to the last step that reads it. Views share
+  their base's storage. Gradients stay until the optimizer step; model outputs stay until the end of
+  the forward (the loss is computed from them) unless the backward reads them. Forward values the
+  backward reads are the activations saved for backward;
+- transient: an op's inputs moved to another placement, alive while the op runs (the lowering
+  redistributes each input inside the op's own segment, so the moved copy is not kept).
+
+The ILP bounds the same sum at a few candidate steps (``PeakRows``); every term is the bytes of one
+node's output under its chosen placement, which is linear in the placement choice.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoplan.adapters.dtensor import Placements, tensor_meta
+from autoplan.costs import local_bytes
+from autoplan.plan import MemoryReport
+from autoplan.strategies import Strategy, output_vals, tensor_inputs, value_of
+from autoplan.tracing import PHASE_KEY, TracedGraph
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What the optimizer keeps per parameter: AdamW's two fp32 states by default, and an fp32 master
+    copy of parameters stored in a lower precision."""
+
+    states: int = 2
+    state_dtype: torch.dtype = torch.float32
+    master_weights: bool = True
+
+    def bytes_per_param_byte(self, dtype: torch.dtype) -> float:
+        """Optimizer bytes per byte of a (local) parameter of ``dtype``."""
+        per_element = self.states * self.state_dtype.itemsize
+        if self.master_weights and dtype.itemsize < torch.float32.itemsize:
+            per_element += torch.float32.itemsize
+        return per_element / dtype.itemsize
+
+
+ADAMW = OptimizerSpec()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The step order of the joint graph and how long each stored value lives; placement-independent."""
+
+    step: dict[fx.Node, int]  # call_function and placeholder nodes -> position in the schedule
+    owner: dict[fx.Node, fx.Node]  # each value -> the node whose storage it lives in (views -> base)
+    born: dict[fx.Node, int]  # storage owner -> first step it is alive
+    last_use: dict[fx.Node, int]  # each value -> the last step that reads it (itself, not its views)
+    dies: dict[fx.Node, int]  # storage owner -> last step it is alive
+    resident: tuple[fx.Node, ...]  # parameters, buffers, inputs, constants: alive throughout
+    forward_end: int  # the last forward step
+    n_steps: int
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target is operator.getitem or getattr(node.target, "is_view", False))
+
+
+def schedule(tg: TracedGraph) -> Schedule:
+    nodes = [n for n in tg.gm.graph.nodes if n.op in ("placeholder", "call_function", "get_attr")]
+    step = {n: i for i, n in enumerate(nodes)}
+    last = len(nodes) - 1
+    forward_end = max((step[n] for n in nodes if n.meta.get(PHASE_KEY) == "forward"), default=last)
+    kinds = {n: lab[0] for n, lab in zip(tg.placeholders, tg.input_labels)}
+    resident = tuple(n for n in nodes if n.op == "get_attr" or kinds.get(n) in ("param", "buffer", "input"))
+    owner: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        owner[n] = owner[n.args[0]] if _is_view(n) and n.args[0] in owner else n
+    last_use = {n: max([step[n], *(step[u] for u in n.users if u in step)]) for n in nodes}
+    out_kinds = [lab[0] for lab in tg.output_labels]
+    for o, kind in zip(tg.output_node.args[0], out_kinds):
+        if isinstance(o, fx.Node):
+            last_use[o] = max(last_use[o], last if kind.startswith("grad") else forward_end)
+    dies = dict(last_use)
+    for n in nodes:
+        dies[owner[n]] = max(dies[owner[n]], last_use[n])
+    first_backward = forward_end + 1
+    born = {n: (first_backward if kinds.get(n) == "tangent" else step[n]) for n in nodes}
+    for n in resident:
+        born[n], dies[n] = 0, last
+    return Schedule(step, owner, born, last_use, dies, resident, forward_end, len(nodes))
+
+
+def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shape) -> int:
+    """Local bytes of a node's tensor outputs under ``outputs``."""
+    return sum(
+        local_bytes(tensor_meta(v), pl, mesh_shape)
+        for v, pl in zip(output_vals(node), outputs)
+        if isinstance(v, torch.Tensor) and pl is not None
+    )
+
+
+def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], mesh_shape) -> int:
+    """Bytes of ``n``'s inputs redistributed to the placement ``n`` reads them in."""
+    total = 0
+    for a, want in zip(tensor_inputs(n), chosen[n].inputs):
+        u, k = value_of(a)
+        if u in chosen and chosen[u].outputs[k] != want and isinstance(a.meta.get("val"), torch.Tensor):
+            total += local_bytes(tensor_meta(a.meta["val"]), want, mesh_shape)
+    return total
+
+
+def estimate(
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    mesh_shape,
+    optimizer: OptimizerSpec = ADAMW,
+    sched: Schedule | None = None,
+) -> MemoryReport:
+    """Walk the schedule under ``chosen`` and find the step with the most bytes alive."""
+    sched = sched or schedule(tg)
+    params = tg.placeholder_for("param")
+    per_param = {f: value_bytes(n, chosen[n].outputs, mesh_shape) for f, n in params.items()}
+    optimizer_bytes = int(
+        sum(per_param[f] * optimizer.bytes_per_param_byte(n.meta["val"].dtype) for f, n in params.items())
+    )
+    grads = {sched.owner[o] for o in tg.outputs_of("grad_param").values() if isinstance(o, fx.Node)}
+    owned: dict[fx.Node, tuple[int, int, int]] = {}  # storage -> (bytes, first step, last step)
+    for n, owner in sched.owner.items():
+        if n not in chosen:
+            continue
+        if owner is n:
+            owned[n] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[n], sched.dies[n])
+        elif _moved_inputs(n, chosen, mesh_shape):  # a view of a moved value owns the moved copy
+            owned[n] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[n], sched.last_use[n])
+    delta = np.zeros(sched.n_steps + 1)
+    for b, born, dies in owned.values():
+        delta[born] += b
+        delta[dies + 1] -= b
+    transient = np.zeros(sched.n_steps)
+    for n in chosen:
+        if n.op == "call_function" and not _is_view(n):
+            transient[sched.step[n]] = _moved_inputs(n, chosen, mesh_shape)
+    live = np.cumsum(delta)[:-1] + transient + optimizer_bytes
+    t = int(np.argmax(live))
+    peak_node = next(n for n, step in sched.step.items() if step == t)
+    parts = {"optimizer": optimizer_bytes, "transient": int(transient[t])}
+    saved = 0
+    for n, (b, born, dies) in owned.items():
+        kind = _kind(n, born, sched, grads)
+        if born <= t <= dies:
+            parts[kind] = parts.get(kind, 0) + b
+        if kind == "activations" and dies > sched.forward_end:
+            saved += b
+    return MemoryReport(
+        param_bytes=sum(per_param.values()),
+        grad_bytes=sum(per_param.values()),  # once reduced into the parameters' placements
+        optimizer_bytes=optimizer_bytes,
+        activation_bytes=saved,
+        peak_bytes=int(live[t]),
+        peak_at=peak_node.name,
+        peak_phase=peak_node.meta.get(PHASE_KEY, "forward"),
+        peak_parts=dict(sorted(parts.items())),
+        per_param=per_param,
+    )
+
+
+def _kind(n: fx.Node, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
+    if n in sched.resident:
+        return "parameters and inputs"
+    if n in grads:
+        return "gradients"
+    return "activations" if born <= sched.forward_end else "backward temporaries"
+
+
+def live_storages(sched: Schedule, step: int) -> list[fx.Node]:
+    """The stored values alive at ``step`` (views counted in their base), whatever the placements."""
+    return [n for n, o in sched.owner.items() if o is n and sched.born[n] <= step <= sched.dies[n]]
+
+
+def candidate_steps(sched: Schedule, count: int = 4) -> list[int]:
+    """Where the peak is likely, for the ILP to bound: the end of the forward and the highest local
+    maxima of the unsharded profile (placements scale most values alike, so peaks stay in place)."""
+    delta = np.zeros(sched.n_steps + 1)
+    for n, o in sched.owner.items():
+        if o is n:
+            b = sum(v.numel() * v.element_size() for v in output_vals(n) if isinstance(v, torch.Tensor))
+            delta[sched.born[n]] += b
+            delta[sched.dies[n] + 1] -= b
+    live = np.cumsum(delta)[:-1]
+    left, right = np.r_[-np.inf, live[:-1]], np.r_[live[1:], -np.inf]
+    maxima = np.flatnonzero((live >= left) & (live > right))
+    top = maxima[np.argsort(-live[maxima], kind="stable")][:count]
+    return sorted({sched.forward_end, *(int(t) for t in top)})
+
+
+def linear_peak_bytes(
+    sched: Schedule, step: int, chosen: dict[fx.Node, Strategy], params: set[fx.Node], mesh_shape, optimizer
+) -> int:
+    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (no moved copies)."""
+    total = 0.0
+    for n in live_storages(sched, step):
+        if n in chosen:
+            b = value_bytes(n, chosen[n].outputs, mesh_shape)
+            total += b * (1 + optimizer.bytes_per_param_byte(n.meta["val"].dtype)) if n in params else b
+    return int(total)
