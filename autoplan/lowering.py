@@ -433,7 +433,7 @@ class _Stitcher:
         layer = instance_of(node.meta.get(PATH_KEY, ""))
         return self.inline(template, [env[a] for a in inputs], layer[0] if layer else "")
 
-    def lower_output(self, node: fx.Node, env: dict, target: Placements | None):
+    def lower_output(self, node: fx.Node, env: dict, target: Placements | None, region: str = ""):
         if target is None or self.placement(node) == tuple(target):
             return env[node]
         val = node.meta["val"]
@@ -442,12 +442,18 @@ class _Stitcher:
         def seg(local, coordinate):
             return [redistribute(self.wrap(node, local), target, coordinate).to_local()]
 
-        return self.inline(self.segment(key, seg, [node]), [env[node]])[0]
+        return self.inline(self.segment(key, seg, [node]), [env[node]], region)[0]
 
     def run(self, targets: list, local: list[torch.Tensor]) -> fx.Graph:
+        """Lower every node in order. A gradient is moved into its parameter's placement (reduced,
+        usually) right where it is produced, as FSDP does, so the unreduced copy dies there instead
+        of living to the end of the backward."""
         env: dict[fx.Node, object] = {}
         locals_ = iter(local)
         nodes = self.tg.gm.graph.nodes
+        outs, kinds = self.tg.output_node.args[0], [kind for kind, _ in self.tg.output_labels]
+        early = {o: t for o, t, k in zip(outs, targets, kinds) if k.startswith("grad_") and isinstance(o, fx.Node)}
+        moved: dict[fx.Node, object] = {}
         for node in progress(nodes, "lowering", len(nodes)):
             if node.op == "placeholder":
                 ph = self.graph.placeholder(node.name)
@@ -458,13 +464,21 @@ class _Stitcher:
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
             elif node.op == "call_function":
-                outs = self.lower_node(node, env)
-                env[node] = outs if isinstance(node.meta["val"], (tuple, list)) else outs[0]
+                lowered = self.lower_node(node, env)
+                env[node] = lowered if isinstance(node.meta["val"], (tuple, list)) else lowered[0]
             elif node.op == "output":
                 results = [
-                    self.lower_output(o, env, t) if isinstance(o, fx.Node) else o for o, t in zip(node.args[0], targets)
+                    moved[o]
+                    if o in moved and t == early[o]
+                    else self.lower_output(o, env, t)
+                    if isinstance(o, fx.Node)
+                    else o
+                    for o, t in zip(node.args[0], targets)
                 ]
                 self.graph.output(results)
+            if node.op == "call_function" and node in early:
+                layer = instance_of(node.meta.get(PATH_KEY, ""))
+                moved[node] = self.lower_output(node, env, early[node], layer[0] if layer else "")
         return self.graph
 
 

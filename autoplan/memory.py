@@ -60,6 +60,7 @@ class Schedule:
     owner: dict[fx.Node, fx.Node]  # each value -> the node whose storage it lives in (views -> base)
     born: dict[fx.Node, int]  # storage owner -> first step it is alive
     last_use: dict[fx.Node, int]  # each value -> the last step that reads it (itself, not its views)
+    reads: dict[fx.Node, int]  # each value -> the last op that reads it (graph outputs not counted)
     dies: dict[fx.Node, int]  # storage owner -> last step it is alive
     resident: tuple[fx.Node, ...]  # parameters, buffers, inputs, constants: alive throughout
     forward_end: int  # the last forward step
@@ -80,7 +81,8 @@ def schedule(tg: TracedGraph) -> Schedule:
     owner: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         owner[n] = owner[n.args[0]] if _is_view(n) and n.args[0] in owner else n
-    last_use = {n: max([step[n], *(step[u] for u in n.users if u in step)]) for n in nodes}
+    reads = {n: max([step[n], *(step[u] for u in n.users if u in step)]) for n in nodes}
+    last_use = dict(reads)
     out_kinds = [lab[0] for lab in tg.output_labels]
     for o, kind in zip(tg.output_node.args[0], out_kinds):
         if isinstance(o, fx.Node):
@@ -92,7 +94,7 @@ def schedule(tg: TracedGraph) -> Schedule:
     born = {n: (first_backward if kinds.get(n) == "tangent" else step[n]) for n in nodes}
     for n in resident:
         born[n], dies[n] = 0, last
-    return Schedule(step, owner, born, last_use, dies, resident, forward_end, len(nodes))
+    return Schedule(step, owner, born, last_use, reads, dies, resident, forward_end, len(nodes))
 
 
 def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shape) -> int:
@@ -128,17 +130,30 @@ def estimate(
     optimizer_bytes = int(
         sum(per_param[f] * optimizer.bytes_per_param_byte(n.meta["val"].dtype) for f, n in params.items())
     )
-    grads = {sched.owner[o] for o in tg.outputs_of("grad_param").values() if isinstance(o, fx.Node)}
+    grad_of = {o: params[f] for f, o in tg.outputs_of("grad_param").items() if isinstance(o, fx.Node)}
+    # a gradient produced in another placement than its parameter's is moved there at once (the
+    # lowering reduces it where it is produced): the produced copy dies, the moved one stays
+    moved = {o: p for o, p in grad_of.items() if o in chosen and chosen[o].outputs[0] != chosen[p].outputs[0]}
+    grads = {sched.owner[o] for o in grad_of}
+    dies = dict(sched.dies)
+    shortened = {sched.owner[o] for o in moved}  # a moved gradient may be a view (a transpose) of its storage
+    for owner in shortened:
+        dies[owner] = sched.born[owner]
+    for n, owner in sched.owner.items():
+        if owner in shortened:
+            dies[owner] = max(dies[owner], sched.reads[n] if n in moved else sched.last_use[n])
     owned: dict[fx.Node, tuple[int, int, int]] = {}  # storage -> (bytes, first step, last step)
     for n, owner in sched.owner.items():
         if n not in chosen:
             continue
         if owner is n:
-            owned[n] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[n], sched.dies[n])
+            owned[n] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[n], dies[n])
         elif _moved_inputs(n, chosen, mesh_shape):  # a view of a moved value owns the moved copy
             owned[n] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[n], sched.last_use[n])
+    last = sched.n_steps - 1
+    extra = [(value_bytes(p, chosen[p].outputs, mesh_shape), sched.step[o], last) for o, p in moved.items()]
     delta = np.zeros(sched.n_steps + 1)
-    for b, born, dies in owned.values():
+    for b, born, dies in [*owned.values(), *extra]:
         delta[born] += b
         delta[dies + 1] -= b
     transient = np.zeros(sched.n_steps)
@@ -149,6 +164,7 @@ def estimate(
     t = int(np.argmax(live))
     peak_node = next(n for n, step in sched.step.items() if step == t)
     parts = {"optimizer": optimizer_bytes, "transient": int(transient[t])}
+    parts["gradients"] = sum(b for b, born, dies in extra if born <= t <= dies)
     saved = 0
     for n, (b, born, dies) in owned.items():
         kind = _kind(n, born, sched, grads)

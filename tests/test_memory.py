@@ -65,3 +65,20 @@ def test_unreachable_peak_cap_names_the_memory_constraint():
     ap.add_memory_constraint(bytes_per_device=1024)
     with pytest.raises(InfeasibleError, match="estimated peak bytes per device <= 1024"):
         ap.optimize_placement()
+
+
+def test_gradients_are_moved_where_they_are_produced():
+    """FSDP on LLaMA debug: a gradient made in another placement than its parameter's is moved
+    (reduced or sliced) inside its own layer's backward, not at the end of the graph, so the
+    unmoved copy never outlives its layer (what the estimate assumes)."""
+    from parallel_run import FSDP, plan_and_apply
+
+    from autoplan.lowering import REGION_KEY
+
+    plan, lowered, _ = plan_and_apply(fake_mesh((2, 4), ("dp", "tp")), "llama", FSDP, batch_rows=8)
+    moved = {r.consumer.removeprefix("grad:") for r in plan.redistributions if r.consumer.startswith("grad:layers.")}
+    assert moved
+    out = next(n for n in reversed(lowered.backward.graph.nodes) if n.op == "output")
+    labels = lowered.output_labels[lowered.n_outputs :]
+    regions = {fqn: g.meta.get(REGION_KEY) for (kind, fqn), g in zip(labels, out.args[0]) if fqn in moved}
+    assert regions == {fqn: ".".join(fqn.split(".")[:2]) for fqn in moved}
