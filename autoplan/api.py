@@ -332,10 +332,9 @@ class AutoParallel:
                 if rep not in problem.root:
                     continue
                 unit, m = problem.root[rep]
-                per = np.array([memory.value_bytes(n, problem.strategies[rep][i].outputs, mesh_shape) for i in m])
-                if n in params:
-                    per = per * (1 + self.optimizer.bytes_per_param_byte(n.meta["val"].dtype))
-                coeffs[unit] = coeffs.get(unit, 0) + per
+                strategies = problem.strategies[rep]
+                per = [memory.row_bytes(n, strategies[i].outputs, params, mesh_shape, self.optimizer) for i in m]
+                coeffs[unit] = coeffs.get(unit, 0) + np.array(per)
             group = f"memory constraint: estimated peak bytes per device <= {self._peak_budget:.6g}"
             rows.append(BudgetRow(f"{group} (at {names[step]})", tuple(coeffs.items()), self._peak_budget - missed))
         return rows
@@ -430,6 +429,9 @@ class AutoParallel:
         )
         return problem, solved, expand_choice(tg, problem, solved.choice)
 
+    def _over_peak_cap(self, report) -> bool:
+        return self._peak_budget is not None and report.peak_bytes > self._peak_budget * (1 + 1e-9)
+
     def _solve_within_peak(self, cost_model: CostModel):
         """Solve with the peak bounded at candidate steps; where the plan's estimated peak still
         exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound that
@@ -443,7 +445,7 @@ class AutoParallel:
             if self._peak_budget is None:
                 break
             report = memory.estimate(self.traced, chosen, mesh_shape, self.optimizer, self.schedule)
-            if report.peak_bytes <= self._peak_budget * (1 + 1e-9):
+            if not self._over_peak_cap(report):
                 break
             t = next(step for n, step in self.schedule.step.items() if n.name == report.peak_at)
             linear = memory.linear_peak_bytes(self.schedule, t, chosen, params, mesh_shape, self.optimizer)
@@ -517,7 +519,7 @@ class AutoParallel:
         }
         mesh_shape = tuple(self.mesh.shape)
         report = memory.estimate(tg, chosen, mesh_shape, self.optimizer, self.schedule)
-        if self._peak_budget is not None and report.peak_bytes > self._peak_budget * (1 + 1e-9):
+        if self._over_peak_cap(report):
             warnings.warn(
                 f"the plan's estimated peak {report.peak_bytes:.6g} bytes per device (at {report.peak_at})"
                 f" exceeds bytes_per_device={self._peak_budget:.6g}: the candidate steps bounded in the ILP"

@@ -254,6 +254,12 @@ def _probe(prog: _Program, device: str) -> dict:
     return result
 
 
+def _peak_method(device: str) -> str:
+    """How ``_probe`` measures a step's peak, for the saved results."""
+    rise = "torch.cuda.max_memory_allocated" if device == "cuda" else "torch.profiler memory timeline"
+    return f"resident bytes (own parameters, buffers, input) + the allocator's peak rise during one step ({rise})"
+
+
 def _collective_free_executor(pmod: torch.nn.Module, lowered, compile_graph: Callable | None) -> dict:
     """Point the parallel module at collective-free copies of its lowered graphs (compiled the way
     ``apply_placement(compile=True)`` compiles them, when asked); returns what was replaced."""
@@ -390,11 +396,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
         + " recorded by torch.profiler in one step"
         + ("; gpu_kernels: CUDA kernel events" if args.device == "cuda" else "")
     )
-    result["peak_method"] = (
-        "resident bytes (own parameters, buffers, input) + the allocator's peak rise during one step ("
-        + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory timeline")
-        + ")"
-    )
+    result["peak_method"] = _peak_method(args.device)
     if args.planned_only:
         _print_overhead(result)
         return result
@@ -467,9 +469,7 @@ def run_memory(args: argparse.Namespace) -> dict:
         "estimated_step_peak_bytes": estimated,
         "estimate_over_measured": estimated / measured,
         "estimate": dataclasses.asdict(m) | {"per_param": None},
-        "measured_method": "resident bytes + the allocator's peak rise in one forward+backward ("
-        + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler memory timeline")
-        + "); no optimizer step",
+        "measured_method": _peak_method(args.device) + "; no optimizer step",
     }
     print(
         f"{args.model} x{result['layers']} layers, mesh {result['mesh']}, local batch {args.batch}x{result['seq']},"

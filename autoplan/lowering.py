@@ -329,6 +329,12 @@ LOCAL_RULES = ("autoplan", "fallback")
 COORDINATE = ("coordinate", "mesh")  # input label of the rank's mesh coordinate
 
 
+def _region(node: fx.Node) -> str:
+    """The repeated-layer instance a traced node's lowered ops belong to ("" outside any layer)."""
+    layer = instance_of(node.meta.get(PATH_KEY, ""))
+    return layer[0] if layer else ""
+
+
 class _Stitcher:
     """Builds the per-rank joint graph from traced segments, one segment per distinct node signature.
 
@@ -430,8 +436,7 @@ class _Stitcher:
             return [r.to_local() if isinstance(r, DTensor) else r for r in flat]
 
         template = self.segment(self.node_key(node, inputs), seg, inputs)
-        layer = instance_of(node.meta.get(PATH_KEY, ""))
-        return self.inline(template, [env[a] for a in inputs], layer[0] if layer else "")
+        return self.inline(template, [env[a] for a in inputs], _region(node))
 
     def lower_output(self, node: fx.Node, env: dict, target: Placements | None, region: str = ""):
         if target is None or self.placement(node) == tuple(target):
@@ -454,6 +459,12 @@ class _Stitcher:
         outs, kinds = self.tg.output_node.args[0], [kind for kind, _ in self.tg.output_labels]
         early = {o: t for o, t, k in zip(outs, targets, kinds) if k.startswith("grad_") and isinstance(o, fx.Node)}
         moved: dict[fx.Node, object] = {}
+
+        def final(o, target):
+            if not isinstance(o, fx.Node):
+                return o
+            return moved[o] if o in moved and target == early[o] else self.lower_output(o, env, target)
+
         for node in progress(nodes, "lowering", len(nodes)):
             if node.op == "placeholder":
                 ph = self.graph.placeholder(node.name)
@@ -467,18 +478,9 @@ class _Stitcher:
                 lowered = self.lower_node(node, env)
                 env[node] = lowered if isinstance(node.meta["val"], (tuple, list)) else lowered[0]
             elif node.op == "output":
-                results = [
-                    moved[o]
-                    if o in moved and t == early[o]
-                    else self.lower_output(o, env, t)
-                    if isinstance(o, fx.Node)
-                    else o
-                    for o, t in zip(node.args[0], targets)
-                ]
-                self.graph.output(results)
+                self.graph.output([final(o, t) for o, t in zip(node.args[0], targets)])
             if node.op == "call_function" and node in early:
-                layer = instance_of(node.meta.get(PATH_KEY, ""))
-                moved[node] = self.lower_output(node, env, early[node], layer[0] if layer else "")
+                moved[node] = self.lower_output(node, env, early[node], _region(node))
         return self.graph
 
 

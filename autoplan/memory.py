@@ -214,13 +214,22 @@ def candidate_steps(sched: Schedule, count: int = 4) -> list[int]:
     return sorted({sched.forward_end, *(int(t) for t in top)})
 
 
+def row_bytes(
+    n: fx.Node, outputs: tuple[Placements | None, ...], params: set[fx.Node], mesh_shape, optimizer: OptimizerSpec
+) -> float:
+    """What a live storage adds to an ILP peak row: its bytes, and a parameter's optimizer states."""
+    b = value_bytes(n, outputs, mesh_shape)
+    return b * (1 + optimizer.bytes_per_param_byte(n.meta["val"].dtype)) if n in params else b
+
+
 def linear_peak_bytes(
     sched: Schedule, step: int, chosen: dict[fx.Node, Strategy], params: set[fx.Node], mesh_shape, optimizer
 ) -> int:
     """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (no moved copies)."""
-    total = 0.0
-    for n in live_storages(sched, step):
-        if n in chosen:
-            b = value_bytes(n, chosen[n].outputs, mesh_shape)
-            total += b * (1 + optimizer.bytes_per_param_byte(n.meta["val"].dtype)) if n in params else b
-    return int(total)
+    return int(
+        sum(
+            row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer)
+            for n in live_storages(sched, step)
+            if n in chosen
+        )
+    )

@@ -481,6 +481,16 @@ def _named_failures():
         fake_log.removeFilter(_not_meta_failure)
 
 
+def _enter_tracing(stack: contextlib.ExitStack, wrapper: nn.Module, attention: str, desc: str) -> None:
+    """What every trace of ``wrapper`` runs under: progress, module paths, the attention kernels and
+    named errors (entered last, so a failure still sees the module it happened in)."""
+    tick = stack.enter_context(ticker(desc, "module calls"))
+    stack.enter_context(fx_traceback.preserve_node_meta())
+    stack.enter_context(_record_module_paths(wrapper, tick))
+    stack.enter_context(_attention_mode(attention))
+    stack.enter_context(_named_failures())
+
+
 def trace_joint(
     model: nn.Module,
     input_fn: Callable[[], Any],
@@ -503,25 +513,17 @@ def trace_joint(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn)
     args = make_fake_inputs(input_fn, fake_mode, device)
-    joint = None
+    joint, shared = None, _shared_names(wrapper)
     with contextlib.ExitStack() as stack:
-        tick = stack.enter_context(ticker("tracing", "module calls"))
-        stack.enter_context(fx_traceback.preserve_node_meta())
-        stack.enter_context(_record_module_paths(wrapper, tick))
-        stack.enter_context(_attention_mode(attention))
-        stack.enter_context(_named_failures())
+        _enter_tracing(stack, wrapper, attention, "tracing")
         gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
     if _mutating_ops(gm):
         with contextlib.ExitStack() as stack:
-            tick = stack.enter_context(ticker("tracing (functionalized)", "module calls"))
-            stack.enter_context(fx_traceback.preserve_node_meta())
-            stack.enter_context(_record_module_paths(wrapper, tick))
-            stack.enter_context(_attention_mode(attention))
-            stack.enter_context(_named_failures())
+            _enter_tracing(stack, wrapper, attention, "tracing (functionalized)")
             gm, in_labels, out_labels, joint = export_joint(stack, wrapper, args)
         out_labels = _drop_empty_outputs(gm, out_labels)
         with fake_mode:
-            _merge_tied(gm, in_labels, out_labels, _shared_names(wrapper))
+            _merge_tied(gm, in_labels, out_labels, shared)
     for node in gm.graph.nodes:
         node.meta[PATH_KEY] = _deepest_path(node)
     _inherit_backward_paths(gm)
@@ -532,5 +534,5 @@ def trace_joint(
         output_labels=[_strip(lab) for lab in out_labels],
         joint=joint,
         fake_mode=fake_mode,
-        tied={_strip(("", a))[1]: _strip(("", b))[1] for a, b in _shared_names(wrapper).items()},
+        tied={_strip(("", a))[1]: _strip(("", b))[1] for a, b in shared.items()},
     )
