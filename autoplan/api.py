@@ -2,48 +2,38 @@
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import logging
-import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan import memory
-from autoplan.adapters.dtensor import tensor_meta
+from autoplan import memory, recompute
 from autoplan.attention import check_option as check_attention_option
-from autoplan.clustering import Clustering, find_repeats, untie
+from autoplan.clustering import Clustering, find_repeats
 from autoplan.compile import RegionStats, compile_regions
 from autoplan.constraints import Pin
-from autoplan.costs import H100_SXM, CostModel, DeviceProfile, local_bytes
+from autoplan.costs import H100_SXM, CostModel, DeviceProfile
 from autoplan.errors import ConstraintError
-from autoplan.evaluate import alternatives, evaluate, expand_choice
-from autoplan.ilp import BudgetRow, FixedRows, solve_placement
 from autoplan.lowering import lower
 from autoplan.passes import alias_roundtrip
 from autoplan.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
 from autoplan.plan import Plan, placements_str
-from autoplan.problem import allowed_strategies, build_problem
+from autoplan.planner import NO_RECOMPUTE, Planner, Request
 from autoplan.runtime import build_parallel_module, make_executor
 from autoplan.strategies import (
-    NodeStrategies,
     Placements,
-    Strategy,
     StrategyBuilder,
     enumerate_strategies,
     is_valid,
     output_vals,
 )
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
-from solvers import SolverTimeoutError
 
 log = logging.getLogger(__name__)  # under "autoplan": the command's --verbose shows it
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
@@ -85,6 +75,7 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
         "gather_chains_rejected": lowered.gather_fusion.rejected,
         "recompute_chains_tagged": lowered.recompute.chains,
         "recompute_nodes_tagged": lowered.recompute.nodes,
+        "activation_recompute_nodes": lowered.activation_recompute,
         **{f"{k}_before_passes": v for k, v in plan.collective_counts().items()},
         **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items()},
         **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
@@ -136,6 +127,7 @@ class AutoParallel:
         self._pins: list[Pin] = []
         self._param_budget: float | None = None
         self._peak_budget: float | None = None
+        self._recompute: dict[str, str] = {}  # layer -> recompute option the user fixed ("none": never)
         self._peak_steps: dict[int, float] = {}  # schedule step the peak is bounded at -> bytes the row misses
         self.timings: dict[str, float] = {}
         self.traced: TracedGraph | None = None
@@ -233,6 +225,26 @@ class AutoParallel:
             raise ConstraintError(f"no node constraint on {name!r} to remove (pinned: {pinned})")
         self._pins = kept
 
+    def add_recompute_constraint(self, layers: str, option: str) -> None:
+        """Fix the recompute choice of the layers matching ``layers`` (a glob over layer instances,
+        e.g. ``"layers.*"``): ``"full"``, ``"selective"`` or ``"none"`` (never recompute). Without it
+        the planner recomputes only where a ``bytes_per_device`` cap needs it."""
+        if option not in (*recompute.OPTIONS, NO_RECOMPUTE):
+            choices = ", ".join((*recompute.OPTIONS, NO_RECOMPUTE))
+            raise ConstraintError(f"recompute constraint {layers!r}: unknown option {option!r}; choose from {choices}")
+        offered = recompute.layers(self._require_traced().gm.graph)
+        matched = [layer for layer in offered if fnmatch.fnmatchcase(layer, layers)]
+        if not matched:
+            known = ", ".join(list(offered)[:4]) or "none"
+            raise ConstraintError(
+                f"recompute constraint {layers!r} matches no layer that can recompute (layers: {known}, ...;"
+                " layers with random ops cannot)"
+            )
+        self._recompute.update(dict.fromkeys(matched, option))
+
+    def remove_recompute_constraint(self) -> None:
+        self._recompute = {}
+
     def remove_memory_constraint(self) -> None:
         self._param_budget = self._peak_budget = None
 
@@ -296,66 +308,6 @@ class AutoParallel:
             fixed.append((name, self._pin_targets(pin.target), pin.placements))
         return fixed
 
-    def _fixed_rows(self, problem) -> list[FixedRows]:
-        rows = []
-        for group, nodes, placements in self._fixed_outputs():
-            items = []
-            for n in nodes:
-                allowed = allowed_strategies(problem, n, placements)
-                if not allowed:
-                    raise ConstraintError(f"{group}: no strategy of node {n.name} ({n.target}) outputs that placement")
-                unit = problem.root[problem.clustering.rep[n]][0]
-                items.append((unit, tuple(allowed)))
-            rows.append(FixedRows(group, tuple(items)))
-        return rows
-
-    def _options(self, nodes) -> dict[fx.Node, tuple]:
-        """The strategies each node may take under the user's constraints (for ``explain``)."""
-        options = {n: self.strategies[self.clustering.rep[n]].strategies for n in nodes}
-        for _, fixed, placements in self._fixed_outputs():
-            for n in fixed:
-                if n in options:
-                    options[n] = tuple(s for s in options[n] if s.outputs[0] == tuple(placements))
-        return options
-
-    def _peak_rows(self, problem) -> list[BudgetRow]:
-        """The estimated peak at each candidate step, linear in the placements (``autoplan.memory``)."""
-        if self._peak_budget is None:
-            return []
-        mesh_shape, params = tuple(self.mesh.shape), set(self.traced.placeholder_for("param").values())
-        names = {step: n.name for n, step in self.schedule.step.items()}
-        rows = []
-        for step, missed in sorted(self._peak_steps.items()):
-            coeffs: dict[fx.Node, np.ndarray] = {}
-            for n in memory.live_storages(self.schedule, step):
-                rep = problem.clustering.rep.get(n)
-                if rep not in problem.root:
-                    continue
-                unit, m = problem.root[rep]
-                strategies = problem.strategies[rep]
-                per = [memory.row_bytes(n, strategies[i].outputs, params, mesh_shape, self.optimizer) for i in m]
-                coeffs[unit] = coeffs.get(unit, 0) + np.array(per)
-            group = f"memory constraint: estimated peak bytes per device <= {self._peak_budget:.6g}"
-            rows.append(BudgetRow(f"{group} (at {names[step]})", tuple(coeffs.items()), self._peak_budget - missed))
-        return rows
-
-    def _budget_rows(self, problem) -> list[BudgetRow]:
-        rows = self._peak_rows(problem)
-        if self._param_budget is None:
-            return rows
-        coeffs: dict[fx.Node, np.ndarray] = {}
-        mesh_shape = tuple(self.mesh.shape)
-        for n in self.traced.placeholder_for("param").values():
-            rep = problem.clustering.rep[n]
-            if rep is not n:
-                continue
-            unit, m = problem.root[rep]
-            meta = tensor_meta(n.meta["val"])
-            per = np.array([local_bytes(meta, problem.strategies[rep][i].output, mesh_shape) for i in m], dtype=float)
-            coeffs[unit] = coeffs.get(unit, 0) + per * problem.clustering.multiplicity[rep]
-        group = f"memory constraint: parameter bytes per device <= {self._param_budget:.6g}"
-        return [*rows, BudgetRow(group, tuple(coeffs.items()), self._param_budget)]
-
     def apply_placement(
         self,
         plan: Plan,
@@ -388,7 +340,8 @@ class AutoParallel:
             tg, applied, trips = alias_roundtrip.remove_round_trips(tg, plan, cost_model, self._outputs)
         else:
             applied, trips = plan, RoundTripStats(0, 0)
-        lowered = lower(tg, applied, self.mesh, self._outputs, reshard_after_forward, fuse_gathers)
+        rerun = frozenset(n.name for n in recompute.chosen_nodes(tg.gm.graph, applied.recompute))
+        lowered = lower(tg, applied, self.mesh, self._outputs, reshard_after_forward, fuse_gathers, rerun)
         regions: dict[fx.GraphModule, RegionStats] = {}
 
         def compile_graph(gm: fx.GraphModule) -> Callable:
@@ -410,175 +363,37 @@ class AutoParallel:
         plan.passes = applied.passes = _pass_report(plan, applied, trips, lowered)
         return pmod
 
-    def _solve(
-        self,
-        clustering: Clustering,
-        strategies: dict[fx.Node, NodeStrategies],
-        cost_model: CostModel,
-        time_limit: float | None,
-        start: dict[fx.Node, Strategy] | None = None,
-    ):
-        """Build and solve the ILP for one clustering; returns the solve and every node's strategy."""
-        tg = self.traced
-        problem = build_problem(tg, clustering, strategies, cost_model, self._outputs, merge=self.merge_followers)
-        fixed, budgets = self._fixed_rows(problem), self._budget_rows(problem)
-        # a peak cap makes the ILP a knapsack the solver proves slowly: 0.1% from the optimum is enough
-        gap = _PEAK_GAP if self._peak_budget is not None else 1e-6
-        solved = solve_placement(
-            problem, fixed, budgets, time_limit=time_limit, backend=self.solver_backend, mip_rel_gap=gap, start=start
-        )
-        return problem, solved, expand_choice(tg, problem, solved.choice)
-
-    def _over_peak_cap(self, report) -> bool:
-        return self._peak_budget is not None and report.peak_bytes > self._peak_budget * (1 + 1e-9)
-
-    def _solve_within_peak(self, cost_model: CostModel):
-        """Solve with the peak bounded at candidate steps; where the plan's estimated peak still
-        exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound that
-        step too, less what its row misses, and solve again."""
-        self.schedule = memory.schedule(self.traced)
-        capped = self._peak_budget is not None
-        self._peak_steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
-        mesh_shape, params = tuple(self.mesh.shape), set(self.traced.placeholder_for("param").values())
-        for _ in range(_PEAK_ROUNDS):
-            problem, solved, chosen = self._solve(self.clustering, self.strategies, cost_model, self.time_limit)
-            if self._peak_budget is None:
-                break
-            report = memory.estimate(self.traced, chosen, mesh_shape, self.optimizer, self.schedule)
-            if not self._over_peak_cap(report):
-                break
-            t = next(step for n, step in self.schedule.step.items() if n.name == report.peak_at)
-            linear = memory.linear_peak_bytes(self.schedule, t, chosen, params, mesh_shape, self.optimizer)
-            missed = max(self._peak_steps.get(t, 0.0), report.peak_bytes - linear)
-            if t in self._peak_steps and missed <= self._peak_steps[t]:
-                break  # nothing new to bound: the estimate below says by how much the cap is missed
-            self._peak_steps[t] = missed
-        return problem, solved, chosen
-
-    def _refine(
-        self,
-        clustering: Clustering,
-        group: tuple[str, ...],
-        chosen: dict[fx.Node, Strategy],
-        cost_model: CostModel,
-        time_limit: float | None,
-    ):
-        """Solve again with the layers of ``group`` deciding on their own.
-
-        Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
-        one layer plus the nodes outside repeated layers, which are free to meet the group halfway.
-        """
-        split = untie(clustering, group)
-        tied = {i for c in self.clustering.classes for i in c} - set(group)
-        strategies = {}
-        for n, r in split.rep.items():
-            own = self.strategies.get(self.clustering.rep[n])
-            if r is not n or own is None:
-                continue
-            fixed = split.instance.get(n, "") in tied
-            strategies[n] = dataclasses.replace(own, strategies=(chosen[n],)) if fixed else own
-        return split, self._solve(split, strategies, cost_model, time_limit, start=chosen)
+    def _planner(self) -> Planner:
+        """The planner for this trace and these settings; rebuilt when a setting it reads changed."""
+        key = (self.device_profile, self.optimizer, self.solver_backend, self.time_limit, self.merge_followers)
+        if getattr(self, "_planner_key", None) != key:
+            self._planner_obj = Planner(
+                self.traced,
+                self.clustering,
+                self.strategies,
+                self.mesh,
+                self.device_profile,
+                self.optimizer,
+                self.solver_backend,
+                self.time_limit,
+                self.merge_followers,
+            )
+            self._planner_key = key
+        return self._planner_obj
 
     def optimize_placement(self) -> Plan:
-        """Solve for the cheapest plan under the constraints added so far.
+        """Solve for the cheapest plan under the constraints added so far (``autoplan.planner``).
 
-        Identical layers share decisions. The first and last layers are tied to the others for the
-        main solve, then each is re-solved on its own against the rest (``plan.ilp["refinements"]``):
-        their neighbours differ, so their best choices can too.
+        Identical layers share decisions; the first and last layers are then re-solved on their own
+        (``plan.ilp["refinements"]``). Under a ``bytes_per_device`` cap the planner may recompute
+        layers' forward values in backward (``plan.recompute``) and pays for it in the step time.
         """
-        tg = self._require_traced()
-        t0 = time.perf_counter()
-        cost_model = CostModel(self.mesh, self.device_profile)
-        problem, solved, chosen = self._solve_within_peak(cost_model)
-        t1 = time.perf_counter()
-        clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
-        for group in self.clustering.boundary:
-            left = None if self.time_limit is None else self.time_limit - (time.perf_counter() - t0)
-            if left is not None and left <= 0:
-                break
-            try:
-                split, (_, step, step_chosen) = self._refine(clustering, group, chosen, cost_model, left)
-            except SolverTimeoutError:
-                break
-            gain = objective - step.objective_without_tie_break
-            kept = gain > 1e-9 * objective  # below that it is the tie-break trading cost for fewer changes
-            refinements.append(_refinement(group, step, gain, kept))
-            if kept:
-                clustering, objective, chosen = split, step.objective_without_tie_break, step_chosen
-        t2 = time.perf_counter()
-        rules = {
-            n: self.strategies[self.clustering.rep[n]].source
-            for n in chosen
-            if self.clustering.rep[n] in self.strategies
-        }
-        ev = evaluate(tg, chosen, cost_model, self._outputs, rules)
-        why = alternatives(tg, chosen, self._options(rules), cost_model, self._outputs)
-        nodes = {
-            k: dataclasses.replace(v, comm_s=why[k][0], alternatives=why[k][1]) if k in why else v
-            for k, v in ev.nodes.items()
-        }
-        mesh_shape = tuple(self.mesh.shape)
-        report = memory.estimate(tg, chosen, mesh_shape, self.optimizer, self.schedule)
-        if self._over_peak_cap(report):
-            warnings.warn(
-                f"the plan's estimated peak {report.peak_bytes:.6g} bytes per device (at {report.peak_at})"
-                f" exceeds bytes_per_device={self._peak_budget:.6g}: the candidate steps bounded in the ILP"
-                f" ({len(self._peak_steps)}) did not catch it",
-                stacklevel=2,
-            )
-        if not math.isclose(ev.cost.total, objective, rel_tol=1e-6, abs_tol=1e-9):
-            warnings.warn(
-                f"reduced ILP objective {objective:.6g}s differs from the expanded plan's"
-                f" cost {ev.cost.total:.6g}s; the reported cost is the expanded one",
-                stacklevel=2,
-            )
-        t3 = time.perf_counter()
-        status, gap = solved.result.status.value, solved.result.gap
-        log.info("solved (%s, gap %s): estimated step %.3f ms", status, gap, objective * 1e3)
-        timings = {
-            **self.timings,
-            "costs": t1 - t0 - solved.build_time - solved.solve_time,
-            "ilp_build": solved.build_time,
-            "solve": solved.solve_time,
-            "refine": t2 - t1,
-            "plan": t3 - t2,
-        }
-        return Plan(
-            mesh_shape=mesh_shape,
-            mesh_dim_names=tuple(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else None,
-            device=self.device_profile.name,
-            nodes=nodes,
-            param_placements={fqn: chosen[n].output for fqn, n in tg.placeholder_for("param").items()},
-            cost=ev.cost,
-            memory=report,
-            redistributions=ev.redistributions,
-            solver=solved.result.to_dict() | {"x": None},
-            ilp={
-                "n_vars": solved.n_vars,
-                "n_rows": solved.n_rows,
-                "n_edge_vars": solved.n_edge_vars,
-                "n_dropped_strategies": solved.n_dropped,
-                "n_units": len(problem.units),
-                "n_merged": problem.n_merged,
-                "n_clustered": clustering.n_clustered,
-                "n_nodes": len(tg.gm.graph.nodes),
-                "objective": objective,
-                "refinements": refinements,
-            },
-            timings=timings,
-            layer_classes=[list(c) for c in clustering.classes],
+        self._require_traced()
+        request = Request(
+            fixed=self._fixed_outputs(),
+            outputs=dict(self._outputs),
+            param_budget=self._param_budget,
+            peak_budget=self._peak_budget,
+            recompute=dict(self._recompute),
         )
-
-
-def _refinement(group: tuple[str, ...], step, gain: float, kept: bool) -> dict:
-    """What re-solving one boundary group found (``gain``: seconds saved)."""
-    return {
-        "layers": list(group),
-        "n_vars": step.n_vars,
-        "n_rows": step.n_rows,
-        "status": step.result.status.value,
-        "gap": step.result.gap,
-        "solve_s": step.build_time + step.solve_time,
-        "gain_s": gain,
-        "kept": kept,
-    }
+        return self._planner().plan(request, self.timings)

@@ -221,5 +221,9 @@ def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: d
     chosen = {n: Strategy(plan.nodes[n.name].outputs, plan.nodes[n.name].inputs) for n in nodes}
     ev = evaluate(tg, chosen, cost_model, fixed_outputs, {n: plan.nodes[n.name].rule for n in chosen})
     return dataclasses.replace(
-        plan, nodes=ev.nodes, cost=ev.cost, redistributions=ev.redistributions, passes=dict(plan.passes)
+        plan,
+        nodes=ev.nodes,
+        cost=dataclasses.replace(ev.cost, recompute=plan.cost.recompute),  # the recompute choice is kept
+        redistributions=ev.redistributions,
+        passes=dict(plan.passes),
     )

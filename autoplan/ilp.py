@@ -4,7 +4,7 @@
     s.t. sum_r x[u,r] = 1                              for every unit u
          sum_q e[o,q] = sum_{r: src(r) = o} x[src,r]   for every edge group and producer placement o
          sum_o e[o,q] = sum_{s: dst(s) = q} x[dst,s]   for every edge group and consumer placement q
-         pins / I/O constraints / per-device parameter bytes
+         pins / I/O constraints / per-device parameter bytes and peak bytes
 Edge variables are continuous: with integral x they are forced to the product, and the LP
 relaxation is usually integral (``solvers`` tries the LP first).
 """
@@ -17,13 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autoplan.problem import PlacementProblem
+from autoplan.problem import Linear, PlacementProblem
 from autoplan.strategies import Strategy
 from solvers import ModelBuilder, SolveResult, solve
 
 # The solver sees microseconds: step costs in seconds (~1e-5 per op) would sit at the level of
 # HiGHS's absolute tolerances and ties would be broken by noise.
 SCALE = 1e6
+# Budget rows count GiB: byte counts (~1e10) beside the 0/1 coefficients of their big-M rows would
+# strain the solver's tolerances.
+GIB = 2.0**-30
 # Microseconds added per placement change: far below any real cost, it breaks ties toward fewer changes.
 TIE_BREAK = 1e-3
 
@@ -33,6 +36,7 @@ class UnitChoice:
     """Strategy index chosen for each unit."""
 
     choice: dict[fx.Node, int]
+    recompute: tuple[str, ...]  # names of the recompute options chosen
     result: SolveResult
     n_vars: int
     n_rows: int
@@ -52,14 +56,30 @@ class FixedRows:
 
 
 @dataclass(frozen=True)
+class RecomputeVar:
+    """A recompute option (``autoplan.recompute``): a binary ``r`` whose seconds ``w`` enter the
+    objective, ``w >= seconds(x, e) - M (1 - r)``; the options of one ``group`` (a layer) exclude
+    each other. ``pinned``: forced on (True) or off (False) by the user."""
+
+    name: str
+    group: str
+    seconds: Linear
+    pinned: bool | None = None
+
+
+@dataclass(frozen=True)
 class BudgetRow:
+    """``coeffs . x - sum s_i + sum a_i <= limit``: per recompute option i, ``s_i = frees(x) r_i`` and
+    ``a_i = keeps(x) r_i`` (big-M rows), so the bytes an option frees count only when it is chosen."""
+
     group: str
     coeffs: tuple[tuple[fx.Node, np.ndarray], ...]  # per unit: bytes per unit strategy
     limit: float
+    recompute: tuple[tuple[int, Linear, Linear], ...] = ()  # (option index, bytes freed, bytes kept)
 
 
 def undominated(
-    problem: PlacementProblem, fixed: list[FixedRows], budgets: list[BudgetRow]
+    problem: PlacementProblem, fixed: list[FixedRows], budgets: list[BudgetRow], options: list[RecomputeVar] = ()
 ) -> dict[fx.Node, np.ndarray]:
     """Per unit, the strategies worth a variable: finite, and cheapest among those that look the same
     to every edge, constraint and budget (the others can only cost more in any plan)."""
@@ -72,6 +92,12 @@ def undominated(
             signature[u].append(np.isin(np.arange(len(problem.unit_cost[u])), allowed))
     for budget in budgets:
         for u, c in budget.coeffs:
+            signature[u].append(c)
+        for _, frees, keeps in budget.recompute:
+            for u, c in [*frees.units.items(), *keeps.units.items()]:
+                signature[u].append(c)
+    for option in options:
+        for u, c in option.seconds.units.items():
             signature[u].append(c)
     kept = {}
     for u in problem.units:
@@ -96,10 +122,11 @@ def _one_hot_rows(b: ModelBuilder, offsets: dict[fx.Node, int], kept: dict[fx.No
 
 def _edge_rows(
     b: ModelBuilder, problem: PlacementProblem, offsets: dict[fx.Node, int], kept: dict[fx.Node, np.ndarray]
-) -> tuple[int, np.ndarray]:
-    """Edge variables and their marginal rows; returns (count, true cost per edge variable)."""
+) -> tuple[int, np.ndarray, list[tuple]]:
+    """Edge variables and their marginal rows; returns (count, true cost per edge variable, and per
+    group its variables' columns and placement pairs)."""
     n_edge = 0
-    true_costs = []
+    true_costs, columns = [], []
     for g in problem.edges:
         # only placement pairs some kept strategy on each side can produce get a variable
         used_o = np.isin(np.arange(g.cost.shape[0]), g.src_label[kept[g.src]])
@@ -109,6 +136,7 @@ def _edge_rows(
         e = b.add_vars(len(oi), cost=SCALE * cost + TIE_BREAK * g.changes[oi, qi], lb=0.0, ub=1.0, integer=False)
         n_edge += len(oi)
         true_costs.append(cost)
+        columns.append((e, oi, qi))
         n_o, n_q = g.cost.shape
         # producer marginals: rows 0..n_o-1; consumer marginals: rows n_o..n_o+n_q-1
         src_x = offsets[g.src] + np.arange(len(kept[g.src]))
@@ -117,7 +145,63 @@ def _edge_rows(
         cols = np.concatenate([e, e, src_x, dst_x])
         vals = np.concatenate([np.ones(2 * len(oi)), -np.ones(len(src_x) + len(dst_x))])
         b.add_rows(rows, cols, vals, lo=np.zeros(n_o + n_q), hi=np.zeros(n_o + n_q))
-    return n_edge, np.concatenate(true_costs) if true_costs else np.zeros(0)
+    return n_edge, np.concatenate(true_costs) if true_costs else np.zeros(0), columns
+
+
+def _terms(lin: Linear, offsets, kept, edge_columns) -> tuple[np.ndarray, np.ndarray, float]:
+    """Columns and values of a ``Linear`` on this model's variables, and its largest value."""
+    cols, vals, top = [], [], 0.0
+    for u, c in lin.units.items():
+        cols.append(offsets[u] + np.arange(len(kept[u])))
+        vals.append(np.asarray(c, dtype=float)[kept[u]])
+        top += float(vals[-1].max(initial=0.0))
+    for g, c in lin.edges.items():
+        e, oi, qi = edge_columns[g]
+        cols.append(e)
+        vals.append(np.asarray(c, dtype=float)[oi, qi])
+        top += float(vals[-1].max(initial=0.0))
+    if not cols:
+        return np.zeros(0, dtype=np.int64), np.zeros(0), 0.0
+    return np.concatenate(cols), np.concatenate(vals), top
+
+
+def _recompute_rows(b: ModelBuilder, options: list[RecomputeVar], terms) -> tuple[np.ndarray, np.ndarray]:
+    """The option binaries ``r`` and their seconds ``w``: returns both column arrays."""
+    lb = [1.0 if o.pinned else 0.0 for o in options]
+    ub = [0.0 if o.pinned is False else 1.0 for o in options]
+    r = b.add_vars(len(options), lb=lb, ub=ub, integer=True, names=[f"recompute {o.name}" for o in options])
+    w = b.add_vars(len(options), cost=1.0, lb=0.0, ub=np.inf, integer=False)  # microseconds, like the objective
+    for i, o in enumerate(options):
+        cols, vals, top = terms(o.seconds)
+        vals, top = vals * SCALE, top * SCALE
+        # w - seconds(x, e) - M r >= -M
+        row = np.zeros(len(cols) + 2, dtype=np.int64)
+        b.add_rows(row, np.r_[w[i], r[i], cols], np.r_[1.0, -top, -vals], lo=-top, hi=np.inf)
+    groups: dict[str, list[int]] = {}
+    for i, o in enumerate(options):
+        groups.setdefault(o.group, []).append(int(r[i]))
+    for members in groups.values():
+        if len(members) > 1:
+            b.add_rows(np.zeros(len(members), dtype=np.int64), members, 1.0, lo=-np.inf, hi=1.0)
+    return r, w
+
+
+def _recompute_bytes(b: ModelBuilder, budget: BudgetRow, r: np.ndarray, terms) -> tuple[list, list]:
+    """For one budget row, ``s_i <= frees(x)``, ``s_i <= M r_i`` and ``a_i >= keeps(x) - M (1 - r_i)``;
+    returns the row's extra columns and values (``-s_i``, ``+a_i``)."""
+    cols, vals = [], []
+    for i, frees, keeps in budget.recompute:
+        fc, fv, ftop = terms(frees)
+        kc, kv, ktop = terms(keeps)
+        fv, ftop, kv, ktop = fv * GIB, ftop * GIB, kv * GIB, ktop * GIB
+        s, a = b.add_vars(2, lb=0.0, ub=np.inf, integer=False)
+        b.add_rows(np.zeros(len(fc) + 1, dtype=np.int64), np.r_[s, fc], np.r_[1.0, -fv], lo=-np.inf, hi=0.0)
+        b.add_rows(np.zeros(2, dtype=np.int64), [s, r[i]], [1.0, -ftop], lo=-np.inf, hi=0.0)
+        row = np.zeros(len(kc) + 2, dtype=np.int64)
+        b.add_rows(row, np.r_[a, r[i], kc], np.r_[1.0, -ktop, -kv], lo=-ktop, hi=np.inf)
+        cols += [s, a]
+        vals += [-1.0, 1.0]
+    return cols, vals
 
 
 def _start_vector(
@@ -145,16 +229,20 @@ def solve_placement(
     backend: str = "highs",
     mip_rel_gap: float = 1e-6,
     start: dict[fx.Node, Strategy] | None = None,
+    options: list[RecomputeVar] = (),
 ) -> UnitChoice:
-    """The cheapest strategy per unit; ``start`` (a strategy per unit, e.g. an earlier plan's) seeds the search."""
+    """The cheapest strategy per unit and recompute options; ``start`` (a strategy per unit, e.g. an
+    earlier plan's) seeds the search."""
     t0 = time.perf_counter()
-    kept = undominated(problem, fixed, budgets)
+    kept = undominated(problem, fixed, budgets, options)
     b = ModelBuilder("placement")
     offsets: dict[fx.Node, int] = {}
     for u in problem.units:
         offsets[u] = int(b.add_vars(len(kept[u]), cost=SCALE * problem.unit_cost[u][kept[u]], integer=True)[0])
     _one_hot_rows(b, offsets, kept)
-    n_edge, edge_costs = _edge_rows(b, problem, offsets, kept)
+    n_edge, edge_costs, edge_columns = _edge_rows(b, problem, offsets, kept)
+    terms = lambda lin: _terms(lin, offsets, kept, edge_columns)  # noqa: E731
+    r, w = _recompute_rows(b, list(options), terms) if options else (np.zeros(0, np.int64),) * 2
 
     for f in fixed:
         cols = [offsets[u] + np.flatnonzero(np.isin(kept[u], allowed)) for u, allowed in f.items]
@@ -163,16 +251,19 @@ def solve_placement(
             np.concatenate(rows), np.concatenate(cols), 1.0, lo=np.ones(len(cols)), hi=np.ones(len(cols)), group=f.group
         )
     for budget in budgets:
-        cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u, _ in budget.coeffs])
-        vals = np.concatenate([c[kept[u]] for u, c in budget.coeffs])
-        b.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, lo=-np.inf, hi=budget.limit, group=budget.group)
+        extra_cols, extra_vals = _recompute_bytes(b, budget, r, terms)
+        cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u, _ in budget.coeffs] + [extra_cols])
+        vals = np.concatenate([c[kept[u]] * GIB for u, c in budget.coeffs] + [extra_vals])
+        limit = budget.limit * GIB
+        b.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, lo=-np.inf, hi=limit, group=budget.group)
 
     model = b.build()
     t1 = time.perf_counter()
 
     def one_hot(x: np.ndarray) -> np.ndarray:
-        out = np.zeros_like(x)
+        out = np.round(x)  # recompute options; the strategy columns below are one-hot per unit
         for u in problem.units:
+            out[offsets[u] : offsets[u] + len(kept[u])] = 0.0
             out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + len(kept[u])]))] = 1.0
         return out
 
@@ -184,14 +275,17 @@ def solve_placement(
     x_cost = sum(float(problem.unit_cost[u][r]) for u, r in choice.items())
     n_x = sum(len(k) for k in kept.values())
     e_cost = float(edge_costs @ x[n_x : n_x + n_edge]) if n_edge else 0.0
+    recomputed = tuple(o.name for o, col in zip(options, r) if x[col] > 0.5)
+    w_cost = float(sum(x[col] for col in w)) / SCALE
     return UnitChoice(
         choice=choice,
+        recompute=recomputed,
         result=result,
         n_vars=model.n_cols,
         n_rows=model.n_rows,
         n_edge_vars=n_edge,
         n_dropped=sum(len(problem.unit_cost[u]) - len(kept[u]) for u in problem.units),
-        objective_without_tie_break=x_cost + e_cost,
+        objective_without_tie_break=x_cost + e_cost + w_cost,
         build_time=t1 - t0,
         solve_time=t2 - t1,
     )

@@ -35,6 +35,7 @@ from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_pa
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
+from autoplan.recompute import closure, just_in_time
 from autoplan.strategies import Placements
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 from autoplan.validate import GraphCheckError, check_lowered
@@ -43,6 +44,7 @@ aten = torch.ops.aten
 
 
 REGION_KEY = "autoplan_region"  # the repeated-layer instance a lowered node belongs to ("" outside any)
+SOURCE_KEY = "autoplan_source"  # the traced node a lowered node computes (with its input moves)
 
 
 class LoweringError(RuntimeError):
@@ -64,6 +66,7 @@ class LoweredGraph:
     local_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]  # per placeholder: (local, global)
     n_segments: int = 0  # distinct node lowerings traced (the rest were copies)
     recompute: RecomputeStats = RecomputeStats(0, 0)
+    activation_recompute: int = 0  # lowered forward nodes the plan's recompute choice runs again
     gather_fusion: FusionStats = FusionStats(0, 0)
     contiguity: ContiguityStats = ContiguityStats(0, 0)
 
@@ -228,8 +231,8 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     """Split the per-rank joint graph at the forward/backward boundary.
 
     The backward reads saved forward values, except chains tagged must-recompute (FSDP parameter
-    gathers), which it runs again from their saved inputs. Nothing else is recomputed, so every
-    other collective runs exactly once.
+    gathers, and the ops of layers the plan recomputes), which it runs again from their saved
+    inputs. Nothing else is recomputed, so every other collective runs exactly once.
 
     Forward: primals -> (model outputs..., saved...). Backward: (saved..., tangents...) -> gradients.
     """
@@ -244,7 +247,8 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     forward = [n for n in nodes if n in is_fwd or n in primals]
     backward = [n for n in nodes if n.op == "call_function" and n not in is_fwd]
     in_backward = set(backward)
-    recompute = _recompute_closure(forward, in_backward, outputs[n_outputs:])
+    read = [a for n in backward for a in n.all_input_nodes] + [g for g in outputs[n_outputs:] if isinstance(g, fx.Node)]
+    recompute = closure(forward, read, lambda n: bool(n.meta.get(RECOMPUTE_KEY)))
     rerun, in_forward = set(recompute), set(forward)
     readers = in_backward | rerun
     saved = [n for n in forward if n not in rerun and any(u in readers for u in n.users)]
@@ -262,48 +266,12 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     for n in saved:
         benv[n] = bwd.placeholder(n.name)
         benv[n].meta = dict(n.meta)
-    for n in tangents + constants + _just_in_time(recompute, backward):
+    for n in tangents + constants + just_in_time(recompute, backward):
         benv[n] = bwd.node_copy(n, lambda a: benv[a])
     bwd.output([benv[o] if isinstance(o, fx.Node) else o for o in outputs[n_outputs:]])
     fwd.eliminate_dead_code()
     bwd.eliminate_dead_code()
     return fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd)
-
-
-def _just_in_time(recompute: list[fx.Node], backward: list[fx.Node]) -> list[fx.Node]:
-    """Backward nodes in order, each recomputed chain placed right before its first reader.
-
-    A re-gathered weight then lives only while its own layer's backward runs (FSDP's memory
-    contract), instead of every layer's weights being gathered at the start of the backward.
-    """
-    position = {n: i for i, n in enumerate(recompute)}
-    placed: set[fx.Node] = set()
-    order: list[fx.Node] = []
-    for n in backward:
-        stack, due = [a for a in n.all_input_nodes if a in position and a not in placed], set()
-        while stack:
-            a = stack.pop()
-            if a not in due:
-                due.add(a)
-                stack.extend(b for b in a.all_input_nodes if b in position and b not in placed)
-        order += sorted(due, key=position.__getitem__)
-        placed |= due
-        order.append(n)
-    return [*order, *(n for n in recompute if n not in placed)]
-
-
-def _recompute_closure(forward: list[fx.Node], backward: set[fx.Node], grads: list) -> list[fx.Node]:
-    """Tagged forward nodes the backward needs, with the tagged nodes they depend on, in graph order."""
-    tagged = {n for n in forward if n.meta.get(RECOMPUTE_KEY)}
-    need: set[fx.Node] = set()
-    stack = [a for n in backward for a in n.all_input_nodes if a in tagged]
-    stack += [g for g in grads if isinstance(g, fx.Node) and g in tagged]
-    while stack:
-        n = stack.pop()
-        if n not in need:
-            need.add(n)
-            stack.extend(a for a in n.all_input_nodes if a in tagged)
-    return [n for n in forward if n in need]
 
 
 def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
@@ -397,9 +365,10 @@ class _Stitcher:
         attr.meta = meta
         return attr
 
-    def inline(self, template: fx.GraphModule, args: list[fx.Node], region: str = "") -> list:
+    def inline(self, template: fx.GraphModule, args: list[fx.Node], region: str = "", source: str = "") -> list:
         """Copy a segment into the graph; every copied node is tagged with ``region`` (its layer
-        instance), which regional compilation cuts the per-rank graphs by."""
+        instance), which regional compilation cuts the per-rank graphs by, and with ``source``, the
+        traced node it lowers (recompute tags are chosen by traced node)."""
         env: dict[fx.Node, fx.Node] = {}
         it = iter([*args, self.coordinate])
         for n in template.graph.nodes:
@@ -413,6 +382,7 @@ class _Stitcher:
             else:
                 env[n] = self.graph.node_copy(n, lambda a: env[a])
                 env[n].meta[REGION_KEY] = region
+                env[n].meta[SOURCE_KEY] = source
         raise LoweringError("segment without output")
 
     def node_key(self, node: fx.Node, inputs: list[fx.Node]) -> tuple:
@@ -436,7 +406,7 @@ class _Stitcher:
             return [r.to_local() if isinstance(r, DTensor) else r for r in flat]
 
         template = self.segment(self.node_key(node, inputs), seg, inputs)
-        return self.inline(template, [env[a] for a in inputs], _region(node))
+        return self.inline(template, [env[a] for a in inputs], _region(node), node.name)
 
     def lower_output(self, node: fx.Node, env: dict, target: Placements | None, region: str = ""):
         if target is None or self.placement(node) == tuple(target):
@@ -504,6 +474,16 @@ def _drop_identity_views(graph: fx.Graph) -> int:
     return dropped
 
 
+def _tag_recomputed(graph: fx.Graph, recomputed: frozenset[str]) -> int:
+    """Tag the lowered forward nodes of the recomputed traced ops (their input moves included)."""
+    hits = [
+        n for n in graph.nodes if n.meta.get(SOURCE_KEY) in recomputed and n.meta.get("partitioner_tag") == "is_forward"
+    ]
+    for n in hits:
+        n.meta[RECOMPUTE_KEY] = True
+    return len(hits)
+
+
 def lower(
     tg: TracedGraph,
     plan: Plan,
@@ -511,7 +491,10 @@ def lower(
     fixed_outputs: dict[int, Placements],
     reshard_after_forward: bool = True,
     fuse_gathers: bool = True,
+    recomputed: frozenset[str] = frozenset(),
 ) -> LoweredGraph:
+    """The per-rank forward and backward graphs of ``plan``; ``recomputed`` names the traced forward
+    ops the backward runs again instead of reading saved (``autoplan.recompute``)."""
     targets = output_targets(tg, plan, fixed_outputs)
     placeholders = tg.placeholders
     in_pl = [plan.nodes[p.name].outputs[0] for p in placeholders]
@@ -525,6 +508,7 @@ def lower(
     labels = [COORDINATE, *tg.input_labels]
     params = {n for n, (kind, _) in zip(graph.find_nodes(op="placeholder"), labels) if kind == "param"}
     recompute = tag_parameter_gathers(graph, params) if reshard_after_forward else RecomputeStats(0, 0)
+    activations = _tag_recomputed(graph, recomputed)
     # last rewrite: the passes above match collective chains this would interrupt
     contiguity = make_collective_inputs_contiguous(graph)
     try:
@@ -546,6 +530,7 @@ def lower(
         + [(tuple(t.shape), tuple(p.meta["val"].shape)) for t, p in zip(local, placeholders)],
         n_segments=stitcher.n_traced,
         recompute=recompute,
+        activation_recompute=activations,
         gather_fusion=fusion,
         contiguity=contiguity,
     )

@@ -28,6 +28,7 @@ import torch.fx as fx
 from autoplan.adapters.dtensor import Placements, tensor_meta
 from autoplan.costs import local_bytes
 from autoplan.plan import MemoryReport
+from autoplan.recompute import closure, just_in_time
 from autoplan.strategies import Strategy, output_vals, tensor_inputs, value_of
 from autoplan.tracing import PHASE_KEY, TracedGraph
 
@@ -53,15 +54,37 @@ ADAMW = OptimizerSpec()
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """The step order of the joint graph and how long each stored value lives; placement-independent."""
+class Recomputed:
+    """The backward's copy of a forward value the plan recomputes (``autoplan.recompute``)."""
 
-    step: dict[fx.Node, int]  # call_function and placeholder nodes -> position in the schedule
-    owner: dict[fx.Node, fx.Node]  # each value -> the node whose storage it lives in (views -> base)
-    born: dict[fx.Node, int]  # storage owner -> first step it is alive
-    last_use: dict[fx.Node, int]  # each value -> the last step that reads it (itself, not its views)
-    reads: dict[fx.Node, int]  # each value -> the last op that reads it (graph outputs not counted)
-    dies: dict[fx.Node, int]  # storage owner -> last step it is alive
+    node: fx.Node
+
+    @property
+    def name(self) -> str:
+        return f"{self.node.name} (recomputed)"
+
+
+Key = fx.Node | Recomputed  # a schedule entry: a graph node, or the recomputed copy of one
+
+
+def node_of(key: Key) -> fx.Node:
+    return key.node if isinstance(key, Recomputed) else key
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The step order of the joint graph and how long each stored value lives; placement-independent.
+
+    With recompute, the backward's order holds the recomputed copies where the lowering runs them
+    (right before their first reader), and the originals die at their last forward read."""
+
+    order: tuple[Key, ...]
+    step: dict[Key, int]  # call_function and placeholder entries -> position in the schedule
+    owner: dict[Key, Key]  # each value -> the entry whose storage it lives in (views -> base)
+    born: dict[Key, int]  # storage owner -> first step it is alive
+    last_use: dict[Key, int]  # each value -> the last step that reads it (itself, not its views)
+    reads: dict[Key, int]  # each value -> the last op that reads it (graph outputs not counted)
+    dies: dict[Key, int]  # storage owner -> last step it is alive
     resident: tuple[fx.Node, ...]  # parameters, buffers, inputs, constants: alive throughout
     forward_end: int  # the last forward step
     n_steps: int
@@ -71,30 +94,59 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target is operator.getitem or getattr(node.target, "is_view", False))
 
 
-def schedule(tg: TracedGraph) -> Schedule:
+def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[Key], dict[Key, list[Key]]]:
+    """Entries in run order and the entries each one reads: the backward (and recomputed copies)
+    read the copies of recomputed values."""
+    if not recomputed:
+        return list(nodes), {n: n.all_input_nodes for n in nodes}
+    backward = [n for n in nodes if n.op == "call_function" and n.meta.get(PHASE_KEY) == "backward"]
+    in_backward = set(backward)
+    forward = [n for n in nodes if n not in in_backward]
+    rerun = closure(forward, [a for n in backward for a in n.all_input_nodes], recomputed.__contains__)
+    copies = set(rerun)
+    order: list[Key] = [*forward, *(Recomputed(n) if n in copies else n for n in just_in_time(rerun, backward))]
+
+    def read_in_backward(a: fx.Node) -> Key:
+        return Recomputed(a) if a in copies else a
+
+    inputs: dict[Key, list[Key]] = {}
+    for k in order:
+        n = node_of(k)
+        late = isinstance(k, Recomputed) or n in in_backward
+        inputs[k] = [read_in_backward(a) if late else a for a in n.all_input_nodes]
+    return order, inputs
+
+
+def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> Schedule:
+    """The schedule of the joint graph; ``recomputed``: forward ops the backward runs again."""
     nodes = [n for n in tg.gm.graph.nodes if n.op in ("placeholder", "call_function", "get_attr")]
-    step = {n: i for i, n in enumerate(nodes)}
-    last = len(nodes) - 1
+    order, inputs = _order(nodes, recomputed)
+    step = {k: i for i, k in enumerate(order)}
+    last = len(order) - 1
     forward_end = max((step[n] for n in nodes if n.meta.get(PHASE_KEY) == "forward"), default=last)
     kinds = {n: lab[0] for n, lab in zip(tg.placeholders, tg.input_labels)}
     resident = tuple(n for n in nodes if n.op == "get_attr" or kinds.get(n) in ("param", "buffer", "input"))
-    owner: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        owner[n] = owner[n.args[0]] if _is_view(n) and n.args[0] in owner else n
-    reads = {n: max([step[n], *(step[u] for u in n.users if u in step)]) for n in nodes}
+    owner: dict[Key, Key] = {}
+    reads = dict(step)
+    for k in order:
+        ins = inputs[k]
+        owner[k] = owner[ins[0]] if _is_view(node_of(k)) and ins and ins[0] in owner else k
+        for a in ins:
+            if a in reads:
+                reads[a] = max(reads[a], step[k])
     last_use = dict(reads)
     out_kinds = [lab[0] for lab in tg.output_labels]
     for o, kind in zip(tg.output_node.args[0], out_kinds):
         if isinstance(o, fx.Node):
             last_use[o] = max(last_use[o], last if kind.startswith("grad") else forward_end)
     dies = dict(last_use)
-    for n in nodes:
-        dies[owner[n]] = max(dies[owner[n]], last_use[n])
+    for k in order:
+        dies[owner[k]] = max(dies[owner[k]], last_use[k])
     first_backward = forward_end + 1
-    born = {n: (first_backward if kinds.get(n) == "tangent" else step[n]) for n in nodes}
+    born = {k: (first_backward if kinds.get(k) == "tangent" else step[k]) for k in order}
     for n in resident:
         born[n], dies[n] = 0, last
-    return Schedule(step, owner, born, last_use, reads, dies, resident, forward_end, len(nodes))
+    return Schedule(tuple(order), step, owner, born, last_use, reads, dies, resident, forward_end, len(order))
 
 
 def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shape) -> int:
@@ -142,14 +194,15 @@ def estimate(
     for n, owner in sched.owner.items():
         if owner in shortened:
             dies[owner] = max(dies[owner], sched.reads[n] if n in moved else sched.last_use[n])
-    owned: dict[fx.Node, tuple[int, int, int]] = {}  # storage -> (bytes, first step, last step)
-    for n, owner in sched.owner.items():
+    owned: dict[Key, tuple[int, int, int]] = {}  # storage -> (bytes, first step, last step)
+    for k, owner in sched.owner.items():
+        n = node_of(k)
         if n not in chosen:
             continue
-        if owner is n:
-            owned[n] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[n], dies[n])
+        if owner is k:
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
         elif _moved_inputs(n, chosen, mesh_shape):  # a view of a moved value owns the moved copy
-            owned[n] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[n], sched.last_use[n])
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.last_use[k])
     last = sched.n_steps - 1
     extra = [(value_bytes(p, chosen[p].outputs, mesh_shape), sched.step[o], last) for o, p in moved.items()]
     delta = np.zeros(sched.n_steps + 1)
@@ -157,12 +210,13 @@ def estimate(
         delta[born] += b
         delta[dies + 1] -= b
     transient = np.zeros(sched.n_steps)
-    for n in chosen:
-        if n.op == "call_function" and not _is_view(n):
-            transient[sched.step[n]] = _moved_inputs(n, chosen, mesh_shape)
+    for k, step in sched.step.items():
+        n = node_of(k)
+        if n in chosen and n.op == "call_function" and not _is_view(n):
+            transient[step] = _moved_inputs(n, chosen, mesh_shape)
     live = np.cumsum(delta)[:-1] + transient + optimizer_bytes
     t = int(np.argmax(live))
-    peak_node = next(n for n, step in sched.step.items() if step == t)
+    peak = sched.order[t]
     parts = {"optimizer": optimizer_bytes, "transient": int(transient[t])}
     parts["gradients"] = sum(b for b, born, dies in extra if born <= t <= dies)
     saved = 0
@@ -178,14 +232,16 @@ def estimate(
         optimizer_bytes=optimizer_bytes,
         activation_bytes=saved,
         peak_bytes=int(live[t]),
-        peak_at=peak_node.name,
-        peak_phase=peak_node.meta.get(PHASE_KEY, "forward"),
+        peak_at=peak.name,
+        peak_phase="backward" if isinstance(peak, Recomputed) else node_of(peak).meta.get(PHASE_KEY, "forward"),
         peak_parts=dict(sorted(parts.items())),
         per_param=per_param,
     )
 
 
-def _kind(n: fx.Node, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
+def _kind(n: Key, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
+    if isinstance(n, Recomputed):
+        return "recomputed activations"
     if n in sched.resident:
         return "parameters and inputs"
     if n in grads:
@@ -193,7 +249,7 @@ def _kind(n: fx.Node, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
     return "activations" if born <= sched.forward_end else "backward temporaries"
 
 
-def live_storages(sched: Schedule, step: int) -> list[fx.Node]:
+def live_storages(sched: Schedule, step: int) -> list[Key]:
     """The stored values alive at ``step`` (views counted in their base), whatever the placements."""
     return [n for n, o in sched.owner.items() if o is n and sched.born[n] <= step <= sched.dies[n]]
 
@@ -204,7 +260,8 @@ def candidate_steps(sched: Schedule, count: int = 4) -> list[int]:
     delta = np.zeros(sched.n_steps + 1)
     for n, o in sched.owner.items():
         if o is n:
-            b = sum(v.numel() * v.element_size() for v in output_vals(n) if isinstance(v, torch.Tensor))
+            vals = output_vals(node_of(n))
+            b = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
             delta[sched.born[n]] += b
             delta[sched.dies[n] + 1] -= b
     live = np.cumsum(delta)[:-1]
@@ -226,10 +283,13 @@ def linear_peak_bytes(
     sched: Schedule, step: int, chosen: dict[fx.Node, Strategy], params: set[fx.Node], mesh_shape, optimizer
 ) -> int:
     """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (no moved copies)."""
-    return int(
-        sum(
-            row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer)
-            for n in live_storages(sched, step)
-            if n in chosen
-        )
-    )
+    alive = [node_of(k) for k in live_storages(sched, step)]
+    return int(sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen))
+
+
+def recompute_changes(base: Schedule, rc: Schedule, step: int) -> tuple[set[fx.Node], set[fx.Node]]:
+    """At the base schedule's ``step``: the storages recomputing frees (saved values no longer
+    alive) and those it keeps alive in addition (inputs of recomputed ops saved in their place)."""
+    before = set(live_storages(base, step))
+    after = {node_of(k) for k in live_storages(rc, rc.step[base.order[step]])}
+    return before - after, after - before

@@ -104,10 +104,11 @@ class CostBreakdown:
     compute_backward: float
     comm_forward: float
     comm_backward: float
+    recompute: float = 0.0  # forward ops the backward runs again (compute and input moves)
 
     @property
     def total(self) -> float:
-        return self.compute_forward + self.compute_backward + self.comm_forward + self.comm_backward
+        return self.compute_forward + self.compute_backward + self.comm_forward + self.comm_backward + self.recompute
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class Plan:
     timings: dict[str, float]
     layer_classes: list[list[str]] = field(default_factory=list)
     passes: dict[str, int] = field(default_factory=dict)  # what the post-solve passes did when applied
+    recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute option (``autoplan.recompute``)
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -157,7 +159,8 @@ class Plan:
             f"autoplan plan on mesh {self._mesh_label()} for {self.device}",
             f"estimated step: {self.cost.total * 1e3:.2f} ms  (compute fwd {self.cost.compute_forward * 1e3:.2f}"
             f" / bwd {self.cost.compute_backward * 1e3:.2f}, comm fwd {self.cost.comm_forward * 1e3:.2f}"
-            f" / bwd {self.cost.comm_backward * 1e3:.2f})",
+            f" / bwd {self.cost.comm_backward * 1e3:.2f}, recompute {self.cost.recompute * 1e3:.2f})",
+            f"recompute: {_recompute_line(self.recompute)}",
             f"memory per device: params {_gib(self.memory.param_bytes)}, grads {_gib(self.memory.grad_bytes)},"
             f" optimizer {_gib(self.memory.optimizer_bytes)}, activations saved {_gib(self.memory.activation_bytes)}",
             f"estimated peak: {_gib(self.memory.peak_bytes)} at {self.memory.peak_at} ({self.memory.peak_phase}): "
@@ -292,6 +295,7 @@ class Plan:
             timings=d["timings"],
             layer_classes=d["layer_classes"],
             passes=d.get("passes", {}),
+            recompute=d.get("recompute", {}),
         )
 
     @classmethod
@@ -328,6 +332,16 @@ def _pass_lines(passes: dict[str, int]) -> list[str]:
         if kinds:
             lines.append(f"collectives {stage.replace('_', ' ')}: " + ", ".join(f"{k} {v}" for k, v in kinds.items()))
     return lines
+
+
+def _recompute_line(choice: dict[str, str]) -> str:
+    """``full: layers.0-31`` style: layers grouped by option."""
+    if not choice:
+        return "none (every forward value the backward reads is saved)"
+    by_option: dict[str, list[str]] = defaultdict(list)
+    for layer, option in choice.items():
+        by_option[option].append(layer)
+    return "; ".join(f"{option} on {len(layers)} layers ({', '.join(layers)})" for option, layers in by_option.items())
 
 
 def _refinement_lines(refinements: list[dict]) -> list[str]:
@@ -441,7 +455,7 @@ def _explain_node(node: NodePlan) -> list[str]:
     return lines
 
 
-_COST_FIELDS = ("compute_forward", "compute_backward", "comm_forward", "comm_backward", "total")
+_COST_FIELDS = ("compute_forward", "compute_backward", "comm_forward", "comm_backward", "recompute", "total")
 
 
 @dataclass(frozen=True)

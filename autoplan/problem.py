@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -80,6 +80,83 @@ class PlacementProblem:
     root: dict[fx.Node, tuple[fx.Node, np.ndarray]]  # representative node -> (unit, unit strategy -> own strategy)
     clustering: Clustering
     n_merged: int = 0
+    group_index: dict[tuple, int] = field(default_factory=dict)  # edge key -> index in ``edges``
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear function of the ILP's choice: a value per unit strategy and per edge-group placement
+    pair (seconds or bytes; what a recompute option costs or frees)."""
+
+    units: dict[fx.Node, np.ndarray] = field(default_factory=dict)
+    edges: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add_unit(self, unit: fx.Node, values: np.ndarray) -> None:
+        self.units[unit] = self.units.get(unit, 0) + values
+
+    def add_edge(self, group: int, values: np.ndarray) -> None:
+        self.edges[group] = self.edges.get(group, 0) + values
+
+
+@dataclass(frozen=True)
+class _Edge:
+    """One (producer value, consumer slot) edge priced by placement, and where its cost lands."""
+
+    src_unit: fx.Node
+    dst_unit: fx.Node
+    srcs: list
+    dsts: list
+    src_label: np.ndarray
+    dst_label: np.ndarray
+    cost: np.ndarray  # seconds per (producer placement, consumer placement), one edge
+    unit: fx.Node | None  # the unit that absorbs the cost when no edge variables are needed
+    index: np.ndarray | None  # per strategy of ``unit``: its entry of the flattened cost
+    key: tuple | None  # the edge group, when both sides choose
+
+    def per_strategy(self, cost: np.ndarray) -> np.ndarray:
+        return cost.reshape(-1)[self.index]
+
+
+def _edge(strats, root, cost_model: CostModel, ur: fx.Node, k: int, cr: fx.Node, slot) -> _Edge:
+    meta = tensor_meta(output_vals(ur)[k])
+    src_unit, src_map = root[ur]
+    dst_unit, dst_map = root[cr]
+    srcs, src_label = _labels([strats[ur][i].outputs[k] for i in src_map])
+    dsts, dst_label = _labels([_slot_placement(strats[cr][i], slot) for i in dst_map])
+    cost = np.array([[cost_model.redistribute_cost(o, q, meta) for q in dsts] for o in srcs])
+    parts = (src_unit, dst_unit, srcs, dsts, src_label, dst_label, cost)
+    if src_unit is dst_unit:
+        return _Edge(*parts, src_unit, src_label * len(dsts) + dst_label, None)
+    if len(srcs) == 1:
+        return _Edge(*parts, dst_unit, dst_label, None)
+    if len(dsts) == 1:
+        return _Edge(*parts, src_unit, src_label, None)
+    return _Edge(*parts, None, None, (src_unit, dst_unit, src_label.tobytes(), dst_label.tobytes()))
+
+
+def forward_cost(
+    tg: TracedGraph, problem: PlacementProblem, cost_model: CostModel, nodes: frozenset[fx.Node]
+) -> Linear:
+    """Seconds to run ``nodes`` (forward ops) once more: their compute and the moves of their inputs,
+    except inputs read from parameters, buffers and the batch (re-gathered weights are already
+    recomputed for FSDP)."""
+    resident = {n for n, lab in zip(tg.placeholders, tg.input_labels) if lab[0] in ("param", "buffer", "input")}
+    rep, out = problem.clustering.rep, Linear()
+    for n in sorted(nodes, key=lambda n: n.name):
+        if rep[n] not in problem.root:  # a tuple's element: no decision, no kernel
+            continue
+        unit, m = problem.root[rep[n]]
+        out.add_unit(unit, strategy_costs(rep[n], problem.strategies[rep[n]], cost_model)[m])
+        for j, a in enumerate(tensor_inputs(n)):
+            u, k = value_of(a)
+            if u in resident:
+                continue
+            edge = _edge(problem.strategies, problem.root, cost_model, rep[u], k, rep[n], j)
+            if edge.key is None:
+                out.add_unit(edge.unit, edge.per_strategy(edge.cost))
+            else:
+                out.add_edge(problem.group_index[edge.key], edge.cost)
+    return out
 
 
 def _producer_reps(tg: TracedGraph, clustering: Clustering) -> dict[fx.Node, set]:
@@ -239,25 +316,15 @@ def build_problem(
 
     groups: dict[tuple, EdgeGroup] = {}
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
-        meta = tensor_meta(output_vals(ur)[k])
-        src_unit, src_map = root[ur]
-        dst_unit, dst_map = root[cr]
-        srcs, src_label = _labels([strats[ur][i].outputs[k] for i in src_map])
-        dsts, dst_label = _labels([_slot_placement(strats[cr][i], slot) for i in dst_map])
-        cost = np.array([[cost_model.redistribute_cost(o, q, meta) for q in dsts] for o in srcs]) * mult
-        if src_unit is dst_unit:
-            unit_cost[src_unit] += cost[src_label, dst_label]
-        elif len(srcs) == 1:
-            unit_cost[dst_unit] += cost[0, dst_label]
-        elif len(dsts) == 1:
-            unit_cost[src_unit] += cost[src_label, 0]
+        edge = _edge(strats, root, cost_model, ur, k, cr, slot)
+        cost = edge.cost * mult
+        if edge.key is None:
+            unit_cost[edge.unit] += edge.per_strategy(cost)
+        elif edge.key in groups:
+            groups[edge.key].cost = groups[edge.key].cost + cost
         else:
-            key = (src_unit, dst_unit, src_label.tobytes(), dst_label.tobytes())
-            if key in groups:
-                groups[key].cost = groups[key].cost + cost
-            else:
-                changes = np.array([[float(o != q) for q in dsts] for o in srcs])
-                groups[key] = EdgeGroup(src_unit, dst_unit, src_label, dst_label, cost, changes)
+            changes = np.array([[float(o != q) for q in edge.dsts] for o in edge.srcs])
+            groups[edge.key] = EdgeGroup(edge.src_unit, edge.dst_unit, edge.src_label, edge.dst_label, cost, changes)
     for ur, k, placements in sinks:
         meta = tensor_meta(output_vals(ur)[k])
         unit, m = root[ur]
@@ -277,6 +344,7 @@ def build_problem(
         root=root,
         clustering=clustering,
         n_merged=len(follow),
+        group_index={key: i for i, key in enumerate(groups)},
     )
 
 

@@ -81,9 +81,12 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
     return ref
 
 
-def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", **apply_options):
+def plan_and_apply(
+    mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", recompute=(), **apply_options
+):
     """Plan ``name`` on ``mesh`` (batch-sharded I/O, optional pins: a list, or a function of the
-    traced graph giving one; ``attention`` picks the attention kernel) and build the parallel module.
+    traced graph giving one; ``attention`` picks the attention kernel; ``recompute``: (layers glob,
+    option) pairs) and build the parallel module.
     Returns the plan as lowered (after round-trip removal, with the pass report), the lowered graphs
     and the module."""
     from autoplan import AutoParallel
@@ -96,6 +99,8 @@ def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = 
         ap.add_output_constraints([IO])
         for target, placements in pins(ap.traced) if callable(pins) else pins:
             ap.add_node_constraint(target, placements)
+        for layers, option in recompute:
+            ap.add_recompute_constraint(layers, option)
         plan = ap.optimize_placement()
         pmod = ap.apply_placement(plan, **apply_options)
     return ap.applied_plan, ap.lowered, pmod

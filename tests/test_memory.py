@@ -82,3 +82,45 @@ def test_gradients_are_moved_where_they_are_produced():
     labels = lowered.output_labels[lowered.n_outputs :]
     regions = {fqn: g.meta.get(REGION_KEY) for (kind, fqn), g in zip(labels, out.args[0]) if fqn in moved}
     assert regions == {fqn: ".".join(fqn.split(".")[:2]) for fqn in moved}
+
+
+def _recompute_worker(rank: int, configs: list) -> list:
+    from parallel_run import graph_report, parallel_run, plan_and_apply, reference_run
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = []
+    for option, compiled in configs:
+        ref = reference_run("llama")  # a run changes its reference's state: one per configuration
+        plan, lowered, pmod = plan_and_apply(mesh, "llama", [], recompute=[("layers.*", option)])
+        report = parallel_run(mesh, pmod, ref, compiled) | {"ref_losses": ref.losses} | graph_report(plan, lowered)
+        out.append(report | {"recompute": plan.recompute, "rerun_ops": plan.passes["activation_recompute_nodes"]})
+    return out
+
+
+def _check_recompute(results: list, configs: list) -> None:
+    from parallel_run import check_run
+
+    for rank_results in results:
+        for (option, _), r in zip(configs, rank_results, strict=True):
+            check_run(r)
+            assert r["recompute"] == {"layers.0": option, "layers.1": option}
+            assert r["rerun_ops"] > 0
+
+
+def test_recompute_plans_match_single_device_on_gloo():
+    """Recomputing every layer (activation checkpointing) or its cheap ops in backward, on 4 gloo
+    ranks: losses and gradients match single-device, collectives are the plan's (recomputed ones
+    run again in backward)."""
+    from gloo import run_gloo
+
+    configs = [("full", False), ("selective", False)]
+    _check_recompute(run_gloo(_recompute_worker, 4, configs), configs)
+
+
+@pytest.mark.slow
+def test_recompute_plans_match_single_device_on_gloo_compiled():
+    from gloo import run_gloo
+
+    configs = [("full", True), ("selective", True)]
+    _check_recompute(run_gloo(_recompute_worker, 4, configs), configs)

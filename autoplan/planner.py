@@ -1,0 +1,416 @@
+"""The planner: from a traced graph, its strategies and the user's constraints to a ``Plan``.
+
+It prices the reduced problem, adds the user's rows (pins, parameter and peak budgets, recompute
+options), solves, re-solves the boundary layers on their own, and prices the expanded plan. The
+peak cap is bounded lazily: at a few candidate steps first, then at each step where the plan's
+estimated peak still exceeds the cap, until it does not (``memory``). ``AutoParallel`` is the front
+that collects the constraints; this module owns the solve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoplan import memory, recompute
+from autoplan.adapters.dtensor import tensor_meta
+from autoplan.clustering import Clustering, untie
+from autoplan.costs import CostModel, DeviceProfile, local_bytes
+from autoplan.errors import ConstraintError
+from autoplan.evaluate import alternatives, evaluate, expand_choice
+from autoplan.ilp import BudgetRow, FixedRows, RecomputeVar, UnitChoice, solve_placement
+from autoplan.plan import Plan, Redistribution
+from autoplan.problem import Linear, PlacementProblem, allowed_strategies, build_problem, forward_cost
+from autoplan.strategies import NodeStrategies, Placements, Strategy
+from autoplan.tracing import TracedGraph
+from solvers import SolverTimeoutError
+
+log = logging.getLogger(__name__)
+_PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
+_PEAK_GAP = 1e-3  # relative MIP gap of solves under a peak cap
+NO_RECOMPUTE = "none"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for: fixed output placements (name, nodes, placements), the output
+    placements of the model, the budgets, and recompute pins (layer -> option or ``"none"``)."""
+
+    fixed: list[tuple[str, list[fx.Node], Placements]]
+    outputs: dict[int, Placements]
+    param_budget: float | None = None
+    peak_budget: float | None = None
+    recompute: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Planner:
+    tg: TracedGraph
+    clustering: Clustering
+    strategies: dict[fx.Node, NodeStrategies]
+    mesh: DeviceMesh
+    device_profile: DeviceProfile
+    optimizer: memory.OptimizerSpec
+    solver_backend: str = "highs"
+    time_limit: float | None = None
+    merge_followers: bool = True
+
+    def __post_init__(self) -> None:
+        self.mesh_shape = tuple(self.mesh.shape)
+        self.params = set(self.tg.placeholder_for("param").values())
+        self.schedule = memory.schedule(self.tg)
+        self.layers = recompute.layers(self.tg.gm.graph)
+        self._tagged = {
+            (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
+        }
+        self._option_schedules: dict[str, memory.Schedule] = {}
+
+    # ---- rows ---------------------------------------------------------------------------
+
+    def _fixed_rows(self, problem: PlacementProblem, request: Request) -> list[FixedRows]:
+        rows = []
+        for group, nodes, placements in request.fixed:
+            items = []
+            for n in nodes:
+                allowed = allowed_strategies(problem, n, placements)
+                if not allowed:
+                    raise ConstraintError(f"{group}: no strategy of node {n.name} ({n.target}) outputs that placement")
+                unit = problem.root[problem.clustering.rep[n]][0]
+                items.append((unit, tuple(allowed)))
+            rows.append(FixedRows(group, tuple(items)))
+        return rows
+
+    def _bytes(self, problem: PlacementProblem, nodes) -> Linear:
+        """Bytes of ``nodes``' storages (a parameter's with its optimizer states), per unit strategy."""
+        out = Linear()
+        for n in nodes:
+            rep = problem.clustering.rep.get(n)
+            if rep not in problem.root:
+                continue
+            unit, m = problem.root[rep]
+            outputs = [problem.strategies[rep][i].outputs for i in m]
+            per = [memory.row_bytes(n, o, self.params, self.mesh_shape, self.optimizer) for o in outputs]
+            out.add_unit(unit, np.array(per))
+        return out
+
+    def _options(self, problem: PlacementProblem, request: Request, cost_model: CostModel) -> list[RecomputeVar]:
+        """Recompute options worth a variable: every layer's, when a peak cap could want them, or
+        the pinned ones."""
+        if request.peak_budget is None and not request.recompute:
+            return []
+        options = []
+        for (layer, option), nodes in self._tagged.items():
+            if not nodes:
+                continue
+            pin = request.recompute.get(layer)
+            if pin is None and request.peak_budget is None:
+                continue
+            pinned = None if pin is None else pin == option
+            seconds = forward_cost(self.tg, problem, cost_model, nodes)
+            options.append(RecomputeVar(f"{layer}: {option}", layer, seconds, pinned))
+        return options
+
+    def _option_schedule(self, option: str) -> memory.Schedule:
+        """The schedule with every layer recomputing under ``option`` (what each layer frees is its own)."""
+        if option not in self._option_schedules:
+            nodes = frozenset().union(*(t for (_, o), t in self._tagged.items() if o == option))
+            self._option_schedules[option] = memory.schedule(self.tg, nodes)
+        return self._option_schedules[option]
+
+    def _layer_of(self, n: fx.Node, option: str) -> str:
+        """Which layer's recompute a changed storage belongs to: its own, or its first recomputed reader's."""
+        layer = recompute.layer_of(n)
+        if (layer, option) in self._tagged:
+            return layer
+        users = [recompute.layer_of(u) for u in n.users if u in self._tagged.get((recompute.layer_of(u), option), ())]
+        return users[0] if users else ""
+
+    def _peak_rows(
+        self, problem: PlacementProblem, request: Request, steps: dict[int, float], options: list[RecomputeVar]
+    ) -> list[BudgetRow]:
+        """The estimated peak at each bounded step, linear in the placements and recompute choices."""
+        if request.peak_budget is None:
+            return []
+        index = {o.name: i for i, o in enumerate(options)}
+        rows = []
+        for step, missed in sorted(steps.items()):
+            alive = [memory.node_of(k) for k in memory.live_storages(self.schedule, step)]
+            terms = []
+            for option in recompute.OPTIONS:
+                if not any(o.name.endswith(f": {option}") for o in options):
+                    continue
+                frees, keeps = memory.recompute_changes(self.schedule, self._option_schedule(option), step)
+                by_layer: dict[str, tuple[list, list]] = {}
+                for side, nodes in enumerate((frees, keeps)):
+                    for n in nodes:
+                        by_layer.setdefault(self._layer_of(n, option), ([], []))[side].append(n)
+                for layer, (f, k) in sorted(by_layer.items()):
+                    if f"{layer}: {option}" in index:
+                        terms.append((index[f"{layer}: {option}"], self._bytes(problem, f), self._bytes(problem, k)))
+            coeffs = tuple(self._bytes(problem, alive).units.items())
+            group = f"memory constraint: estimated peak bytes per device <= {request.peak_budget:.6g}"
+            name = self.schedule.order[step].name
+            rows.append(BudgetRow(f"{group} (at {name})", coeffs, request.peak_budget - missed, tuple(terms)))
+        return rows
+
+    def _param_row(self, problem: PlacementProblem, budget: float) -> BudgetRow:
+        coeffs: dict[fx.Node, np.ndarray] = {}
+        for n in self.params:
+            rep = problem.clustering.rep[n]
+            if rep is not n:
+                continue
+            unit, m = problem.root[rep]
+            meta = tensor_meta(n.meta["val"])
+            per = [local_bytes(meta, problem.strategies[rep][i].output, self.mesh_shape) for i in m]
+            coeffs[unit] = coeffs.get(unit, 0) + np.array(per, dtype=float) * problem.clustering.multiplicity[rep]
+        group = f"memory constraint: parameter bytes per device <= {budget:.6g}"
+        return BudgetRow(group, tuple(sorted(coeffs.items(), key=lambda kv: kv[0].name)), budget)
+
+    # ---- solves -------------------------------------------------------------------------
+
+    def _solve(
+        self,
+        request: Request,
+        clustering: Clustering,
+        strategies: dict[fx.Node, NodeStrategies],
+        cost_model: CostModel,
+        steps: dict[int, float],
+        time_limit: float | None,
+        start: dict[fx.Node, Strategy] | None = None,
+    ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
+        """Build and solve the ILP for one clustering; returns the solve and every node's strategy."""
+        problem = build_problem(self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers)
+        options = self._options(problem, request, cost_model)
+        budgets = self._peak_rows(problem, request, steps, options)
+        if request.param_budget is not None:
+            budgets.append(self._param_row(problem, request.param_budget))
+        # a peak cap makes the ILP a knapsack the solver proves slowly: 0.1% from the optimum is enough
+        gap = _PEAK_GAP if request.peak_budget is not None else 1e-6
+        solved = solve_placement(
+            problem,
+            self._fixed_rows(problem, request),
+            budgets,
+            time_limit=time_limit,
+            backend=self.solver_backend,
+            mip_rel_gap=gap,
+            start=start,
+            options=options,
+        )
+        return problem, solved, expand_choice(self.tg, problem, solved.choice)
+
+    def recomputed(self, choice: dict[str, str]) -> frozenset[fx.Node]:
+        return frozenset().union(*(self._tagged[(layer, o)] for layer, o in choice.items()))
+
+    def estimate(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str]):
+        """The memory report of a plan and the schedule it was walked on."""
+        sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.schedule
+        return memory.estimate(self.tg, chosen, self.mesh_shape, self.optimizer, sched), sched
+
+    def _solve_within_peak(self, request: Request, cost_model: CostModel):
+        """Solve with the peak bounded at candidate steps; where the plan's estimated peak still
+        exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound that
+        step too, less what its row misses, and solve again."""
+        capped = request.peak_budget is not None
+        steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
+        for _ in range(_PEAK_ROUNDS):
+            problem, solved, chosen = self._solve(
+                request, self.clustering, self.strategies, cost_model, steps, self.time_limit
+            )
+            if not capped:
+                break
+            report, sched = self.estimate(chosen, _choice(solved.recompute))
+            if not _over(report, request):
+                break
+            t = _base_step(sched, self.schedule, report.peak_at)
+            linear = memory.linear_peak_bytes(
+                sched, sched.step[self.schedule.order[t]], chosen, self.params, self.mesh_shape, self.optimizer
+            )
+            missed = max(steps.get(t, 0.0), report.peak_bytes - linear)
+            if t in steps and missed <= steps[t]:
+                break  # nothing new to bound: the estimate below says by how much the cap is missed
+            steps[t] = missed
+        return problem, solved, chosen, steps
+
+    def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit):
+        """Solve again with the layers of ``group`` deciding on their own.
+
+        Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
+        one layer plus the nodes outside repeated layers, which are free to meet the group halfway.
+        Recompute choices stay as the main solve made them.
+        """
+        split = untie(clustering, group)
+        tied = {i for c in self.clustering.classes for i in c} - set(group)
+        strategies = {}
+        for n, r in split.rep.items():
+            own = self.strategies.get(self.clustering.rep[n])
+            if r is not n or own is None:
+                continue
+            fixed = split.instance.get(n, "") in tied
+            strategies[n] = dataclasses.replace(own, strategies=(chosen[n],)) if fixed else own
+        if request.peak_budget is None and not request.recompute:
+            pinned = request  # no recompute variables at all
+        else:
+            pins = {**{layer: NO_RECOMPUTE for layer in self.layers}, **_choice(recomputed)}
+            pinned = dataclasses.replace(request, recompute=pins)
+        return split, self._solve(pinned, split, strategies, cost_model, steps, time_limit, start=chosen)
+
+    def plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
+        """Solve for the cheapest plan under ``request``.
+
+        Identical layers share decisions. The first and last layers are tied to the others for the
+        main solve, then each is re-solved on its own against the rest (``plan.ilp["refinements"]``):
+        their neighbours differ, so their best choices can too.
+        """
+        tg = self.tg
+        t0 = time.perf_counter()
+        cost_model = CostModel(self.mesh, self.device_profile)
+        problem, solved, chosen, steps = self._solve_within_peak(request, cost_model)
+        t1 = time.perf_counter()
+        clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
+        recomputed = solved.recompute
+        for group in self.clustering.boundary:
+            left = None if self.time_limit is None else self.time_limit - (time.perf_counter() - t0)
+            if left is not None and left <= 0:
+                break
+            try:
+                split, (_, step, step_chosen) = self._refine(
+                    request, clustering, group, chosen, recomputed, cost_model, steps, left
+                )
+            except SolverTimeoutError:
+                break
+            gain = objective - step.objective_without_tie_break
+            kept = gain > 1e-9 * objective  # below that it is the tie-break trading cost for fewer changes
+            refinements.append(_refinement(group, step, gain, kept))
+            if kept:
+                clustering, objective, chosen = split, step.objective_without_tie_break, step_chosen
+        t2 = time.perf_counter()
+        choice = _choice(recomputed)
+        reps = self.clustering.rep
+        rules = {n: self.strategies[reps[n]].source for n in chosen if reps[n] in self.strategies}
+        ev = evaluate(tg, chosen, cost_model, request.outputs, rules)
+        why = alternatives(tg, chosen, self._explain_options(request, rules), cost_model, request.outputs)
+        nodes = {
+            k: dataclasses.replace(v, comm_s=why[k][0], alternatives=why[k][1]) if k in why else v
+            for k, v in ev.nodes.items()
+        }
+        rerun = self.recomputed(choice)
+        cost = dataclasses.replace(ev.cost, recompute=_rerun_seconds(ev, rerun, tg))
+        report, _ = self.estimate(chosen, choice)
+        if _over(report, request):
+            warnings.warn(
+                f"the plan's estimated peak {report.peak_bytes:.6g} bytes per device (at {report.peak_at})"
+                f" exceeds bytes_per_device={request.peak_budget:.6g}: the candidate steps bounded in the ILP"
+                f" ({len(steps)}) did not catch it",
+                stacklevel=3,
+            )
+        if not math.isclose(cost.total, objective, rel_tol=1e-6, abs_tol=1e-9):
+            warnings.warn(
+                f"reduced ILP objective {objective:.6g}s differs from the expanded plan's"
+                f" cost {cost.total:.6g}s; the reported cost is the expanded one",
+                stacklevel=3,
+            )
+        t3 = time.perf_counter()
+        status, gap = solved.result.status.value, solved.result.gap
+        log.info("solved (%s, gap %s): estimated step %.3f ms", status, gap, objective * 1e3)
+        timings = {
+            **trace_timings,
+            "costs": t1 - t0 - solved.build_time - solved.solve_time,
+            "ilp_build": solved.build_time,
+            "solve": solved.solve_time,
+            "refine": t2 - t1,
+            "plan": t3 - t2,
+        }
+        return Plan(
+            mesh_shape=self.mesh_shape,
+            mesh_dim_names=tuple(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else None,
+            device=self.device_profile.name,
+            nodes=nodes,
+            param_placements={fqn: chosen[n].output for fqn, n in tg.placeholder_for("param").items()},
+            cost=cost,
+            memory=report,
+            redistributions=ev.redistributions,
+            solver=solved.result.to_dict() | {"x": None},
+            ilp={
+                "n_vars": solved.n_vars,
+                "n_rows": solved.n_rows,
+                "n_edge_vars": solved.n_edge_vars,
+                "n_dropped_strategies": solved.n_dropped,
+                "n_units": len(problem.units),
+                "n_merged": problem.n_merged,
+                "n_clustered": clustering.n_clustered,
+                "n_nodes": len(tg.gm.graph.nodes),
+                "n_peak_steps": len(steps),
+                "objective": objective,
+                "refinements": refinements,
+            },
+            timings=timings,
+            layer_classes=[list(c) for c in clustering.classes],
+            recompute=dict(sorted(choice.items(), key=lambda kv: _layer_key(kv[0]))),
+        )
+
+    def _explain_options(self, request: Request, nodes) -> dict[fx.Node, tuple]:
+        """The strategies each node may take under the user's constraints (for ``explain``)."""
+        options = {n: self.strategies[self.clustering.rep[n]].strategies for n in nodes}
+        for _, fixed, placements in request.fixed:
+            for n in fixed:
+                if n in options:
+                    options[n] = tuple(s for s in options[n] if s.outputs[0] == tuple(placements))
+        return options
+
+
+def _choice(names: tuple[str, ...]) -> dict[str, str]:
+    """Recompute option names ("layers.3: full") as layer -> option."""
+    return dict(name.split(": ", 1) for name in names)
+
+
+def _layer_key(layer: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in layer.split("."))
+
+
+def _over(report, request: Request) -> bool:
+    return request.peak_budget is not None and report.peak_bytes > request.peak_budget * (1 + 1e-9)
+
+
+def _base_step(sched: memory.Schedule, base: memory.Schedule, name: str) -> int:
+    """The base schedule's step of the entry named ``name`` in ``sched`` (a recomputed copy maps to
+    the backward op that triggers it: the next original entry)."""
+    t = next(i for i, k in enumerate(sched.order) if k.name == name)
+    while isinstance(sched.order[t], memory.Recomputed):
+        t += 1
+    return base.step[sched.order[t]]
+
+
+def _rerun_seconds(ev, rerun: frozenset[fx.Node], tg: TracedGraph) -> float:
+    """Seconds the recomputed ops cost again: their compute, and their input moves (not from
+    parameters, buffers or the batch, as the ILP prices them)."""
+    names = {n.name for n in rerun}
+    resident = {n.name for n, lab in zip(tg.placeholders, tg.input_labels) if lab[0] in ("param", "buffer", "input")}
+    compute = sum(ev.nodes[n].compute_s for n in names)
+    moves = sum(r.seconds for r in ev.redistributions if _moves_into(r, names, resident))
+    return compute + moves
+
+
+def _moves_into(r: Redistribution, names: set[str], resident: set[str]) -> bool:
+    return r.consumer in names and r.producer not in resident
+
+
+def _refinement(group: tuple[str, ...], step, gain: float, kept: bool) -> dict:
+    """What re-solving one boundary group found (``gain``: seconds saved)."""
+    return {
+        "layers": list(group),
+        "n_vars": step.n_vars,
+        "n_rows": step.n_rows,
+        "status": step.result.status.value,
+        "gap": step.result.gap,
+        "solve_s": step.build_time + step.solve_time,
+        "gain_s": gain,
+        "kept": kept,
+    }
