@@ -81,9 +81,7 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
     return ref
 
 
-def plan_and_apply(
-    mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", recompute=(), **apply_options
-):
+def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", recompute=(), **apply_options):
     """Plan ``name`` on ``mesh`` (batch-sharded I/O, optional pins: a list, or a function of the
     traced graph giving one; ``attention`` picks the attention kernel; ``recompute``: (layers glob,
     option) pairs) and build the parallel module.
