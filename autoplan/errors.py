@@ -5,6 +5,8 @@ All derive from ``AutoplanError``, and from the built-in class a caller would al
 
 from __future__ import annotations
 
+from solvers import InfeasibleError
+
 
 class AutoplanError(Exception):
     """Base of every error autoplan raises on purpose."""
@@ -28,3 +30,12 @@ class TracingError(AutoplanError, RuntimeError):
     def __init__(self, message: str, *, op: str | None, module_path: str, source: str | None):
         super().__init__(message)
         self.op, self.module_path, self.source = op, module_path, source
+
+
+class InfeasiblePlanError(AutoplanError, InfeasibleError):
+    """No plan meets the constraints. ``groups`` names a minimal conflicting set of them; under a
+    peak cap, ``smallest_peak_bytes`` is the least estimated peak a plan reaches otherwise."""
+
+    def __init__(self, groups: list[str], message: str, smallest_peak_bytes: float | None = None):
+        super().__init__(groups, message)
+        self.smallest_peak_bytes = smallest_peak_bytes

@@ -24,9 +24,9 @@ from solvers import ModelBuilder, SolveResult, solve
 # The solver sees microseconds: step costs in seconds (~1e-5 per op) would sit at the level of
 # HiGHS's absolute tolerances and ties would be broken by noise.
 SCALE = 1e6
-# Budget rows count GiB: byte counts (~1e10) beside the 0/1 coefficients of their big-M rows would
-# strain the solver's tolerances.
-GIB = 2.0**-30
+# Budget rows count MiB: byte counts (~1e10) beside the 0/1 coefficients of their big-M rows would
+# strain the solver's tolerances, and GiB would make its feasibility tolerance (1e-7) hundreds of bytes.
+MIB = 2.0**-20
 # Microseconds added per placement change: far below any real cost, it breaks ties toward fewer changes.
 TIE_BREAK = 1e-3
 
@@ -37,6 +37,7 @@ class UnitChoice:
 
     choice: dict[fx.Node, int]
     recompute: tuple[str, ...]  # names of the recompute options chosen
+    peak: float | None  # with ``smallest_peak``: the least peak rows' value, bytes
     result: SolveResult
     n_vars: int
     n_rows: int
@@ -76,6 +77,7 @@ class BudgetRow:
     coeffs: tuple[tuple[fx.Node, np.ndarray], ...]  # per unit: bytes per unit strategy
     limit: float
     recompute: tuple[tuple[int, Linear, Linear], ...] = ()  # (option index, bytes freed, bytes kept)
+    cap: float | None = None  # a peak row's cap (``limit`` = cap - bytes the row misses)
 
 
 def undominated(
@@ -121,7 +123,11 @@ def _one_hot_rows(b: ModelBuilder, offsets: dict[fx.Node, int], kept: dict[fx.No
 
 
 def _edge_rows(
-    b: ModelBuilder, problem: PlacementProblem, offsets: dict[fx.Node, int], kept: dict[fx.Node, np.ndarray]
+    b: ModelBuilder,
+    problem: PlacementProblem,
+    offsets: dict[fx.Node, int],
+    kept: dict[fx.Node, np.ndarray],
+    weight: float = 1.0,
 ) -> tuple[int, np.ndarray, list[tuple]]:
     """Edge variables and their marginal rows; returns (count, true cost per edge variable, and per
     group its variables' columns and placement pairs)."""
@@ -133,7 +139,8 @@ def _edge_rows(
         used_q = np.isin(np.arange(g.cost.shape[1]), g.dst_label[kept[g.dst]])
         oi, qi = np.nonzero(np.isfinite(g.cost) & used_o[:, None] & used_q[None, :])
         cost = g.cost[oi, qi]
-        e = b.add_vars(len(oi), cost=SCALE * cost + TIE_BREAK * g.changes[oi, qi], lb=0.0, ub=1.0, integer=False)
+        e_cost = weight * (SCALE * cost + TIE_BREAK * g.changes[oi, qi])
+        e = b.add_vars(len(oi), cost=e_cost, lb=0.0, ub=1.0, integer=False)
         n_edge += len(oi)
         true_costs.append(cost)
         columns.append((e, oi, qi))
@@ -165,12 +172,14 @@ def _terms(lin: Linear, offsets, kept, edge_columns) -> tuple[np.ndarray, np.nda
     return np.concatenate(cols), np.concatenate(vals), top
 
 
-def _recompute_rows(b: ModelBuilder, options: list[RecomputeVar], terms) -> tuple[np.ndarray, np.ndarray]:
+def _recompute_rows(
+    b: ModelBuilder, options: list[RecomputeVar], terms, weight: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
     """The option binaries ``r`` and their seconds ``w``: returns both column arrays."""
     lb = [1.0 if o.pinned else 0.0 for o in options]
     ub = [0.0 if o.pinned is False else 1.0 for o in options]
     r = b.add_vars(len(options), lb=lb, ub=ub, integer=True, names=[f"recompute {o.name}" for o in options])
-    w = b.add_vars(len(options), cost=1.0, lb=0.0, ub=np.inf, integer=False)  # microseconds, like the objective
+    w = b.add_vars(len(options), cost=weight, lb=0.0, ub=np.inf, integer=False)  # microseconds, like the objective
     for i, o in enumerate(options):
         cols, vals, top = terms(o.seconds)
         vals, top = vals * SCALE, top * SCALE
@@ -193,7 +202,7 @@ def _recompute_bytes(b: ModelBuilder, budget: BudgetRow, r: np.ndarray, terms) -
     for i, frees, keeps in budget.recompute:
         fc, fv, ftop = terms(frees)
         kc, kv, ktop = terms(keeps)
-        fv, ftop, kv, ktop = fv * GIB, ftop * GIB, kv * GIB, ktop * GIB
+        fv, ftop, kv, ktop = fv * MIB, ftop * MIB, kv * MIB, ktop * MIB
         s, a = b.add_vars(2, lb=0.0, ub=np.inf, integer=False)
         b.add_rows(np.zeros(len(fc) + 1, dtype=np.int64), np.r_[s, fc], np.r_[1.0, -fv], lo=-np.inf, hi=0.0)
         b.add_rows(np.zeros(2, dtype=np.int64), [s, r[i]], [1.0, -ftop], lo=-np.inf, hi=0.0)
@@ -230,19 +239,25 @@ def solve_placement(
     mip_rel_gap: float = 1e-6,
     start: dict[fx.Node, Strategy] | None = None,
     options: list[RecomputeVar] = (),
+    smallest_peak: bool = False,
 ) -> UnitChoice:
     """The cheapest strategy per unit and recompute options; ``start`` (a strategy per unit, e.g. an
-    earlier plan's) seeds the search."""
+    earlier plan's) seeds the search. With ``smallest_peak`` the peak rows' caps give way to one
+    variable ``P`` the solve minimises instead (step time only breaks ties): the least peak any
+    plan reaches, in ``UnitChoice.peak``."""
+    weight = 1e-9 if smallest_peak else 1.0
     t0 = time.perf_counter()
     kept = undominated(problem, fixed, budgets, options)
     b = ModelBuilder("placement")
     offsets: dict[fx.Node, int] = {}
     for u in problem.units:
-        offsets[u] = int(b.add_vars(len(kept[u]), cost=SCALE * problem.unit_cost[u][kept[u]], integer=True)[0])
+        unit_costs = weight * SCALE * problem.unit_cost[u][kept[u]]
+        offsets[u] = int(b.add_vars(len(kept[u]), cost=unit_costs, integer=True)[0])
     _one_hot_rows(b, offsets, kept)
-    n_edge, edge_costs, edge_columns = _edge_rows(b, problem, offsets, kept)
+    n_edge, edge_costs, edge_columns = _edge_rows(b, problem, offsets, kept, weight)
     terms = lambda lin: _terms(lin, offsets, kept, edge_columns)  # noqa: E731
-    r, w = _recompute_rows(b, list(options), terms) if options else (np.zeros(0, np.int64),) * 2
+    r, w = _recompute_rows(b, list(options), terms, weight) if options else (np.zeros(0, np.int64),) * 2
+    peak = b.add_vars(1, cost=1.0, lb=0.0, ub=np.inf, integer=False) if smallest_peak else None
 
     for f in fixed:
         cols = [offsets[u] + np.flatnonzero(np.isin(kept[u], allowed)) for u, allowed in f.items]
@@ -253,8 +268,10 @@ def solve_placement(
     for budget in budgets:
         extra_cols, extra_vals = _recompute_bytes(b, budget, r, terms)
         cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u, _ in budget.coeffs] + [extra_cols])
-        vals = np.concatenate([c[kept[u]] * GIB for u, c in budget.coeffs] + [extra_vals])
-        limit = budget.limit * GIB
+        vals = np.concatenate([c[kept[u]] * MIB for u, c in budget.coeffs] + [extra_vals])
+        limit = budget.limit * MIB
+        if peak is not None and budget.cap is not None:  # sum - P <= limit - cap
+            cols, vals, limit = np.r_[cols, peak], np.r_[vals, -1.0], (budget.limit - budget.cap) * MIB
         b.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, lo=-np.inf, hi=limit, group=budget.group)
 
     model = b.build()
@@ -280,6 +297,7 @@ def solve_placement(
     return UnitChoice(
         choice=choice,
         recompute=recomputed,
+        peak=float(x[peak[0]]) / MIB if peak is not None else None,
         result=result,
         n_vars=model.n_cols,
         n_rows=model.n_rows,

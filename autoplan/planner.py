@@ -24,19 +24,21 @@ from autoplan import memory, recompute
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering, untie
 from autoplan.costs import CostModel, DeviceProfile, local_bytes
-from autoplan.errors import ConstraintError
+from autoplan.errors import ConstraintError, InfeasiblePlanError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.ilp import BudgetRow, FixedRows, RecomputeVar, UnitChoice, solve_placement
 from autoplan.plan import Plan, Redistribution
 from autoplan.problem import Linear, PlacementProblem, allowed_strategies, build_problem, forward_cost
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
-from solvers import SolverTimeoutError
+from solvers import InfeasibleError, SolverTimeoutError
 
 log = logging.getLogger(__name__)
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
 _PEAK_GAP = 1e-3  # relative MIP gap of solves under a peak cap
 NO_RECOMPUTE = "none"
+_PEAK_GROUP = "memory constraint: estimated peak"
+_SMALLEST_PEAK_S = 5.0  # time for finding the least peak an infeasible cap's error reports
 
 
 @dataclass(frozen=True)
@@ -156,9 +158,10 @@ class Planner:
                     if f"{layer}: {option}" in index:
                         terms.append((index[f"{layer}: {option}"], self._bytes(problem, f), self._bytes(problem, k)))
             coeffs = tuple(self._bytes(problem, alive).units.items())
-            group = f"memory constraint: estimated peak bytes per device <= {request.peak_budget:.6g}"
+            group = f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
             name = self.schedule.order[step].name
-            rows.append(BudgetRow(f"{group} (at {name})", coeffs, request.peak_budget - missed, tuple(terms)))
+            limit = request.peak_budget - missed
+            rows.append(BudgetRow(f"{group} (at {name})", coeffs, limit, tuple(terms), request.peak_budget))
         return rows
 
     def _param_row(self, problem: PlacementProblem, budget: float) -> BudgetRow:
@@ -185,6 +188,7 @@ class Planner:
         steps: dict[int, float],
         time_limit: float | None,
         start: dict[fx.Node, Strategy] | None = None,
+        smallest_peak: bool = False,
     ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
         """Build and solve the ILP for one clustering; returns the solve and every node's strategy."""
         problem = build_problem(self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers)
@@ -203,6 +207,7 @@ class Planner:
             mip_rel_gap=gap,
             start=start,
             options=options,
+            smallest_peak=smallest_peak,
         )
         return problem, solved, expand_choice(self.tg, problem, solved.choice)
 
@@ -217,13 +222,19 @@ class Planner:
     def _solve_within_peak(self, request: Request, cost_model: CostModel):
         """Solve with the peak bounded at candidate steps; where the plan's estimated peak still
         exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound that
-        step too, less what its row misses, and solve again."""
+        step too, less what its row misses (or, where it is bounded already, less the overshoot),
+        and solve again."""
         capped = request.peak_budget is not None
         steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
         for _ in range(_PEAK_ROUNDS):
-            problem, solved, chosen = self._solve(
-                request, self.clustering, self.strategies, cost_model, steps, self.time_limit
-            )
+            try:
+                problem, solved, chosen = self._solve(
+                    request, self.clustering, self.strategies, cost_model, steps, self.time_limit
+                )
+            except InfeasibleError as e:
+                if capped and any(g.startswith(_PEAK_GROUP) for g in e.groups):
+                    raise self._smallest_peak_error(e, request, cost_model, steps) from e
+                raise
             if not capped:
                 break
             report, sched = self.estimate(chosen, _choice(solved.recompute))
@@ -234,10 +245,51 @@ class Planner:
                 sched, sched.step[self.schedule.order[t]], chosen, self.params, self.mesh_shape, self.optimizer
             )
             missed = max(steps.get(t, 0.0), report.peak_bytes - linear)
-            if t in steps and missed <= steps[t]:
-                break  # nothing new to bound: the estimate below says by how much the cap is missed
+            if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
+                missed = steps[t] + report.peak_bytes - request.peak_budget
             steps[t] = missed
         return problem, solved, chosen, steps
+
+    def _smallest_peak_error(
+        self, e: InfeasibleError, request: Request, cost_model: CostModel, steps: dict[int, float]
+    ) -> InfeasibleError:
+        """The infeasibility of a peak cap, with the least estimated peak a plan reaches under the
+        other constraints: minimise the bounded rows, bounding more steps the same way as under a
+        cap until the plan's estimate is what the rows say."""
+        steps, deadline = dict(steps), time.perf_counter() + _SMALLEST_PEAK_S
+        least = None
+        for _ in range(_PEAK_ROUNDS):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            try:
+                _, solved, chosen = self._solve(
+                    request, self.clustering, self.strategies, cost_model, steps, left, smallest_peak=True
+                )
+            except InfeasibleError:
+                return e  # the other constraints conflict on their own
+            except SolverTimeoutError:
+                break
+            report, sched = self.estimate(chosen, _choice(solved.recompute))
+            least = report.peak_bytes if least is None else min(least, report.peak_bytes)
+            if report.peak_bytes <= solved.peak + 1.0:
+                break
+            t = _base_step(sched, self.schedule, report.peak_at)
+            at = sched.step[self.schedule.order[t]]
+            missed = report.peak_bytes - memory.linear_peak_bytes(
+                sched, at, chosen, self.params, self.mesh_shape, self.optimizer
+            )
+            if t in steps and missed <= steps[t]:
+                break
+            steps[t] = missed
+        if least is None:
+            return e
+        message = (
+            f"{e}\nThe smallest estimated peak a plan reaches is {least / 2**30:.3f} GiB per device"
+            f" ({least} bytes; searched for at most {_SMALLEST_PEAK_S:.0f} s): raise bytes_per_device to at"
+            " least that, or relax the other constraints"
+        )
+        return InfeasiblePlanError(e.groups, message, least)
 
     def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit):
         """Solve again with the layers of ``group`` deciding on their own.

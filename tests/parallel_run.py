@@ -143,6 +143,8 @@ def graph_report(plan, lowered) -> dict:
         "params": {k: str(v) for k, v in plan.param_placements.items()},
         "round_trips": plan.passes["round_trips_removed"],
         "fused": lowered.gather_fusion.fused,
+        "recompute": plan.recompute,
+        "recomputed_ops": lowered.activation_recompute,
         "regathers": sum(
             1
             for n in lowered.backward.graph.nodes

@@ -54,6 +54,7 @@ def test_conflicting_pins_name_both_constraints(llama, mesh):
     assert f"node constraint {name} = RR" in msg, msg
 
 
+@pytest.mark.slow  # ~70 s: proving a peak cap infeasible with recompute options (test_memory covers it on an MLP)
 def test_too_small_memory_budget_names_the_memory_constraint(llama, mesh):
     with AutoParallel(llama, mesh, input_fn=tokens()) as ap:
         ap.add_memory_constraint(bytes_per_device=1)

@@ -57,6 +57,15 @@ def test_llama_debug_eager(pins):
         assert any("Shard" in v for v in r["params"].values())
 
 
+@pytest.mark.parametrize("option", ["full", "selective"])
+def test_llama_debug_recompute(option):
+    """Layers recomputed in backward (all their forward ops, or the cheap ones) under FSDP pins: the
+    backward runs the recomputed ops again and the numerics are single-device's."""
+    r = _run("llama", FSDP, compiled=False, recompute=[("layers.*", option)])
+    check_run(r)
+    assert set(r["recompute"].values()) == {option} and r["recomputed_ops"] > 0
+
+
 def test_llama_debug_keeping_gathered_weights():
     """FSDP with ``reshard_after_forward=False``: the backward reuses the forward's gathers."""
     r = _run("llama", FSDP, compiled=False, reshard_after_forward=False)

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel, Plan
 from autoplan.bench import run_memory
+from autoplan.errors import InfeasiblePlanError
 from solvers import InfeasibleError
 
 IO = (Shard(0), Replicate())
@@ -60,10 +61,18 @@ def test_peak_cap_is_met_by_a_different_plan():
     assert ap.optimize_placement().memory.peak_bytes == free.memory.peak_bytes
 
 
-def test_unreachable_peak_cap_names_the_memory_constraint():
+def test_unreachable_peak_cap_names_the_memory_constraint_and_the_smallest_peak():
+    """The error names the cap and the least estimated peak a plan reaches: a cap at that value plans."""
     ap = _mlp_planner()
     ap.add_memory_constraint(bytes_per_device=1024)
-    with pytest.raises(InfeasibleError, match="estimated peak bytes per device <= 1024"):
+    with pytest.raises(InfeasiblePlanError, match="estimated peak bytes per device <= 1024") as info:
+        ap.optimize_placement()
+    least = info.value.smallest_peak_bytes
+    assert isinstance(info.value, InfeasibleError) and f"{least / 2**30:.3f} GiB" in str(info.value)
+    ap.add_memory_constraint(bytes_per_device=least)
+    assert ap.optimize_placement().memory.peak_bytes <= least
+    ap.add_memory_constraint(bytes_per_device=0.97 * least)
+    with pytest.raises(InfeasiblePlanError):
         ap.optimize_placement()
 
 
@@ -108,6 +117,7 @@ def _check_recompute(results: list, configs: list) -> None:
             assert r["rerun_ops"] > 0
 
 
+@pytest.mark.slow  # by default test_local_tensor runs both options on 8 simulated ranks
 def test_recompute_plans_match_single_device_on_gloo():
     """Recomputing every layer (activation checkpointing) or its cheap ops in backward, on 4 gloo
     ranks: losses and gradients match single-device, collectives are the plan's (recomputed ones
