@@ -49,7 +49,9 @@ def test_constraints_keep_strategies_they_distinguish():
     pin = FixedRows("pin a", ((a, (1,)),))
     assert undominated(problem, [pin], [])[a].tolist() == [0, 1]
     assert solve_placement(problem, [pin], []).choice[a] == 1
-    budget = BudgetRow("budget", ((a, np.array([2.0, 1.0])),), 1.5)
+    budget = BudgetRow(
+        "budget", ((a, np.array([2.0, 1.0]) * 2**20),), 1.5 * 2**20
+    )  # MiB-sized, as budget rows are counted
     assert undominated(problem, [], [budget])[a].tolist() == [0, 1]
     solved = solve_placement(problem, [], [budget])
     assert solved.choice[a] == 1  # the only strategy within budget
