@@ -36,8 +36,6 @@ from autoplan.strategies import (
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 
 log = logging.getLogger(__name__)  # under "autoplan": the command's --verbose shows it
-_PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
-_PEAK_GAP = 1e-3  # relative MIP gap of solves under a peak cap
 
 
 def _check_mesh(mesh: Any) -> DeviceMesh:
@@ -128,7 +126,7 @@ class AutoParallel:
         self._param_budget: float | None = None
         self._peak_budget: float | None = None
         self._recompute: dict[str, str] = {}  # layer -> recompute option the user fixed ("none": never)
-        self._peak_steps: dict[int, float] = {}  # schedule step the peak is bounded at -> bytes the row misses
+        self._planner_for: tuple | None = None  # the settings the cached planner was built with
         self.timings: dict[str, float] = {}
         self.traced: TracedGraph | None = None
         self.optimizer = optimizer
@@ -149,6 +147,7 @@ class AutoParallel:
         )
         t2 = time.perf_counter()
         self.timings = {"trace": ta - t0, "aliases": t1 - ta, "strategies": t2 - t1}
+        self._planner_for = None  # a new trace: the planner is built again
         log.info(
             "traced %d nodes (%d after clustering) and enumerated strategies in %.2fs",
             len(self.traced.gm.graph.nodes),
@@ -366,7 +365,7 @@ class AutoParallel:
     def _planner(self) -> Planner:
         """The planner for this trace and these settings; rebuilt when a setting it reads changed."""
         key = (self.device_profile, self.optimizer, self.solver_backend, self.time_limit, self.merge_followers)
-        if getattr(self, "_planner_key", None) != key:
+        if self._planner_for != key:
             self._planner_obj = Planner(
                 self.traced,
                 self.clustering,
@@ -378,7 +377,7 @@ class AutoParallel:
                 self.time_limit,
                 self.merge_followers,
             )
-            self._planner_key = key
+            self._planner_for = key
         return self._planner_obj
 
     def optimize_placement(self) -> Plan:

@@ -27,7 +27,6 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoplan import attention
 from autoplan.adapters.dtensor import local_shape, redistribute
-from autoplan.clustering import instance_of
 from autoplan.collectives import collective_kind, is_c10d
 from autoplan.costs import local_shape as even_local_shape
 from autoplan.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
@@ -35,7 +34,7 @@ from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_pa
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
-from autoplan.recompute import closure, just_in_time
+from autoplan.recompute import closure, just_in_time, layer_of
 from autoplan.strategies import Placements
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 from autoplan.validate import GraphCheckError, check_lowered
@@ -297,12 +296,6 @@ LOCAL_RULES = ("autoplan", "fallback")
 COORDINATE = ("coordinate", "mesh")  # input label of the rank's mesh coordinate
 
 
-def _region(node: fx.Node) -> str:
-    """The repeated-layer instance a traced node's lowered ops belong to ("" outside any layer)."""
-    layer = instance_of(node.meta.get(PATH_KEY, ""))
-    return layer[0] if layer else ""
-
-
 class _Stitcher:
     """Builds the per-rank joint graph from traced segments, one segment per distinct node signature.
 
@@ -406,7 +399,7 @@ class _Stitcher:
             return [r.to_local() if isinstance(r, DTensor) else r for r in flat]
 
         template = self.segment(self.node_key(node, inputs), seg, inputs)
-        return self.inline(template, [env[a] for a in inputs], _region(node), node.name)
+        return self.inline(template, [env[a] for a in inputs], layer_of(node), node.name)
 
     def lower_output(self, node: fx.Node, env: dict, target: Placements | None, region: str = ""):
         if target is None or self.placement(node) == tuple(target):
@@ -450,7 +443,7 @@ class _Stitcher:
             elif node.op == "output":
                 self.graph.output([final(o, t) for o, t in zip(node.args[0], targets)])
             if node.op == "call_function" and node in early:
-                moved[node] = self.lower_output(node, env, early[node], _region(node))
+                moved[node] = self.lower_output(node, env, early[node], layer_of(node))
         return self.graph
 
 

@@ -125,7 +125,8 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> S
     last = len(order) - 1
     forward_end = max((step[n] for n in nodes if n.meta.get(PHASE_KEY) == "forward"), default=last)
     kinds = {n: lab[0] for n, lab in zip(tg.placeholders, tg.input_labels)}
-    resident = tuple(n for n in nodes if n.op == "get_attr" or kinds.get(n) in ("param", "buffer", "input"))
+    always = tg.resident()
+    resident = tuple(n for n in nodes if n.op == "get_attr" or n in always)
     owner: dict[Key, Key] = {}
     reads = dict(step)
     for k in order:

@@ -27,8 +27,8 @@ from autoplan.costs import CostModel, DeviceProfile, local_bytes
 from autoplan.errors import ConstraintError, InfeasiblePlanError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.ilp import BudgetRow, FixedRows, RecomputeVar, UnitChoice, solve_placement
-from autoplan.plan import Plan, Redistribution
-from autoplan.problem import Linear, PlacementProblem, allowed_strategies, build_problem, forward_cost
+from autoplan.plan import Plan
+from autoplan.problem import Linear, PlacementProblem, allowed_strategies, build_problem, forward_costs
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
 from solvers import InfeasibleError, SolverTimeoutError
@@ -74,6 +74,7 @@ class Planner:
             (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
         }
         self._option_schedules: dict[str, memory.Schedule] = {}
+        self._changes: dict[tuple[int, str], dict[str, tuple[list, list]]] = {}
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -108,16 +109,16 @@ class Planner:
         the pinned ones."""
         if request.peak_budget is None and not request.recompute:
             return []
+        offered = [
+            (layer, option, nodes)
+            for (layer, option), nodes in self._tagged.items()
+            if nodes and (request.peak_budget is not None or layer in request.recompute)
+        ]
+        seconds = forward_costs(self.tg, problem, cost_model, [nodes for _, _, nodes in offered])
         options = []
-        for (layer, option), nodes in self._tagged.items():
-            if not nodes:
-                continue
+        for (layer, option, _), s in zip(offered, seconds):
             pin = request.recompute.get(layer)
-            if pin is None and request.peak_budget is None:
-                continue
-            pinned = None if pin is None else pin == option
-            seconds = forward_cost(self.tg, problem, cost_model, nodes)
-            options.append(RecomputeVar(f"{layer}: {option}", layer, seconds, pinned))
+            options.append(RecomputeVar(_option_name(layer, option), layer, s, None if pin is None else pin == option))
         return options
 
     def _option_schedule(self, option: str) -> memory.Schedule:
@@ -132,8 +133,22 @@ class Planner:
         layer = recompute.layer_of(n)
         if (layer, option) in self._tagged:
             return layer
-        users = [recompute.layer_of(u) for u in n.users if u in self._tagged.get((recompute.layer_of(u), option), ())]
-        return users[0] if users else ""
+        for u in n.users:
+            if u in self._tagged.get((recompute.layer_of(u), option), ()):
+                return recompute.layer_of(u)
+        return ""
+
+    def _changes_at(self, step: int, option: str) -> dict[str, tuple[list, list]]:
+        """Per layer, the storages its ``option`` frees and keeps alive at ``step``, in schedule order
+        (they depend on the trace alone: computed once for every solve, round and re-solve)."""
+        if (step, option) not in self._changes:
+            frees, keeps = memory.recompute_changes(self.schedule, self._option_schedule(option), step)
+            by_layer: dict[str, tuple[list, list]] = {}
+            for side, nodes in enumerate((frees, keeps)):
+                for n in sorted(nodes, key=self.schedule.step.__getitem__):
+                    by_layer.setdefault(self._layer_of(n, option), ([], []))[side].append(n)
+            self._changes[(step, option)] = dict(sorted(by_layer.items()))
+        return self._changes[(step, option)]
 
     def _peak_rows(
         self, problem: PlacementProblem, request: Request, steps: dict[int, float], options: list[RecomputeVar]
@@ -147,16 +162,11 @@ class Planner:
             alive = [memory.node_of(k) for k in memory.live_storages(self.schedule, step)]
             terms = []
             for option in recompute.OPTIONS:
-                if not any(o.name.endswith(f": {option}") for o in options):
+                if not any(_option_name(layer, option) in index for layer in self.layers):
                     continue
-                frees, keeps = memory.recompute_changes(self.schedule, self._option_schedule(option), step)
-                by_layer: dict[str, tuple[list, list]] = {}
-                for side, nodes in enumerate((frees, keeps)):
-                    for n in nodes:
-                        by_layer.setdefault(self._layer_of(n, option), ([], []))[side].append(n)
-                for layer, (f, k) in sorted(by_layer.items()):
-                    if f"{layer}: {option}" in index:
-                        terms.append((index[f"{layer}: {option}"], self._bytes(problem, f), self._bytes(problem, k)))
+                for layer, (f, k) in self._changes_at(step, option).items():
+                    if (i := index.get(_option_name(layer, option))) is not None:
+                        terms.append((i, self._bytes(problem, f), self._bytes(problem, k)))
             coeffs = tuple(self._bytes(problem, alive).units.items())
             group = f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
             name = self.schedule.order[step].name
@@ -166,7 +176,7 @@ class Planner:
 
     def _param_row(self, problem: PlacementProblem, budget: float) -> BudgetRow:
         coeffs: dict[fx.Node, np.ndarray] = {}
-        for n in self.params:
+        for n in self.tg.placeholder_for("param").values():
             rep = problem.clustering.rep[n]
             if rep is not n:
                 continue
@@ -175,7 +185,7 @@ class Planner:
             per = [local_bytes(meta, problem.strategies[rep][i].output, self.mesh_shape) for i in m]
             coeffs[unit] = coeffs.get(unit, 0) + np.array(per, dtype=float) * problem.clustering.multiplicity[rep]
         group = f"memory constraint: parameter bytes per device <= {budget:.6g}"
-        return BudgetRow(group, tuple(sorted(coeffs.items(), key=lambda kv: kv[0].name)), budget)
+        return BudgetRow(group, tuple(coeffs.items()), budget)
 
     # ---- solves -------------------------------------------------------------------------
 
@@ -418,6 +428,10 @@ class Planner:
         return options
 
 
+def _option_name(layer: str, option: str) -> str:
+    return f"{layer}: {option}"
+
+
 def _choice(names: tuple[str, ...]) -> dict[str, str]:
     """Recompute option names ("layers.3: full") as layer -> option."""
     return dict(name.split(": ", 1) for name in names)
@@ -444,14 +458,9 @@ def _rerun_seconds(ev, rerun: frozenset[fx.Node], tg: TracedGraph) -> float:
     """Seconds the recomputed ops cost again: their compute, and their input moves (not from
     parameters, buffers or the batch, as the ILP prices them)."""
     names = {n.name for n in rerun}
-    resident = {n.name for n, lab in zip(tg.placeholders, tg.input_labels) if lab[0] in ("param", "buffer", "input")}
+    resident = {n.name for n in tg.resident()}
     compute = sum(ev.nodes[n].compute_s for n in names)
-    moves = sum(r.seconds for r in ev.redistributions if _moves_into(r, names, resident))
-    return compute + moves
-
-
-def _moves_into(r: Redistribution, names: set[str], resident: set[str]) -> bool:
-    return r.consumer in names and r.producer not in resident
+    return compute + sum(r.seconds for r in ev.redistributions if r.consumer in names and r.producer not in resident)
 
 
 def _refinement(group: tuple[str, ...], step, gain: float, kept: bool) -> dict:

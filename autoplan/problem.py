@@ -134,19 +134,26 @@ def _edge(strats, root, cost_model: CostModel, ur: fx.Node, k: int, cr: fx.Node,
     return _Edge(*parts, None, None, (src_unit, dst_unit, src_label.tobytes(), dst_label.tobytes()))
 
 
-def forward_cost(
-    tg: TracedGraph, problem: PlacementProblem, cost_model: CostModel, nodes: frozenset[fx.Node]
-) -> Linear:
-    """Seconds to run ``nodes`` (forward ops) once more: their compute and the moves of their inputs,
-    except inputs read from parameters, buffers and the batch (re-gathered weights are already
-    recomputed for FSDP)."""
-    resident = {n for n, lab in zip(tg.placeholders, tg.input_labels) if lab[0] in ("param", "buffer", "input")}
+def forward_costs(
+    tg: TracedGraph, problem: PlacementProblem, cost_model: CostModel, node_sets: list[frozenset[fx.Node]]
+) -> list[Linear]:
+    """Seconds to run each set of forward ops once more: their compute and the moves of their
+    inputs, except inputs read from parameters, buffers and the batch (re-gathered weights are
+    already recomputed for FSDP). Identical layers share representatives, priced once."""
+    resident = tg.resident()
+    compute: dict[fx.Node, np.ndarray] = {}
+    return [_forward_cost(problem, cost_model, nodes, resident, compute) for nodes in node_sets]
+
+
+def _forward_cost(problem, cost_model, nodes, resident, compute: dict[fx.Node, np.ndarray]) -> Linear:
     rep, out = problem.clustering.rep, Linear()
     for n in sorted(nodes, key=lambda n: n.name):
         if rep[n] not in problem.root:  # a tuple's element: no decision, no kernel
             continue
         unit, m = problem.root[rep[n]]
-        out.add_unit(unit, strategy_costs(rep[n], problem.strategies[rep[n]], cost_model)[m])
+        if rep[n] not in compute:
+            compute[rep[n]] = strategy_costs(rep[n], problem.strategies[rep[n]], cost_model)
+        out.add_unit(unit, compute[rep[n]][m])
         for j, a in enumerate(tensor_inputs(n)):
             u, k = value_of(a)
             if u in resident:

@@ -59,6 +59,10 @@ class TracedGraph:
         """Map label target -> placeholder for one kind ("param", "buffer", "input", "tangent")."""
         return {lab[1]: n for n, lab in zip(self.placeholders, self.input_labels) if lab[0] == kind}
 
+    def resident(self) -> set[fx.Node]:
+        """Placeholders alive for the whole step and never recomputed: parameters, buffers, the batch."""
+        return {n for n, lab in zip(self.placeholders, self.input_labels) if lab[0] in ("param", "buffer", "input")}
+
     def outputs_of(self, kind: str) -> dict[Any, fx.Node | None]:
         """Map label target -> node returned as that output ("output", "grad_param", "grad_input")."""
         outs = self.output_node.args[0]
