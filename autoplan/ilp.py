@@ -11,6 +11,7 @@ relaxation is usually integral (``solvers`` tries the LP first).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch.fx as fx
 
 from autoplan.problem import Linear, PlacementProblem
 from autoplan.strategies import Strategy
-from solvers import ModelBuilder, SolveResult, solve
+from solvers import InfeasibleError, ModelBuilder, SolveResult, SolverTimeoutError, solve
 
 # The solver sees microseconds: step costs in seconds (~1e-5 per op) would sit at the level of
 # HiGHS's absolute tolerances and ties would be broken by noise.
@@ -29,6 +30,12 @@ SCALE = 1e6
 MIB = 2.0**-20
 # Microseconds added per placement change: far below any real cost, it breaks ties toward fewer changes.
 TIE_BREAK = 1e-3
+# Seeding a peak-capped solve (``_seed``): seconds per trial solve, for all trials, and for the
+# full MIP that improves the seed (its LP bound is weak under a tight cap: proving the gap can take
+# many minutes, while the seed is rarely improved by more than a few percent).
+_TRIAL_S = 10.0
+_SEED_S = 90.0
+_POLISH_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,14 @@ class FixedRows:
 class RecomputeVar:
     """A recompute option (``autoplan.recompute``): a binary ``r`` whose seconds ``w`` enter the
     objective, ``w >= seconds(x, e) - M (1 - r)``; the options of one ``group`` (a layer) exclude
-    each other. ``pinned``: forced on (True) or off (False) by the user."""
+    each other. ``pinned``: forced on by the user (an option pinned off gets no variable).
+    ``kind``: which option (``"full"``, ``"selective"``) of its layer."""
 
     name: str
     group: str
     seconds: Linear
-    pinned: bool | None = None
+    pinned: bool = False
+    kind: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,37 +164,41 @@ def _edge_rows(
     return n_edge, np.concatenate(true_costs) if true_costs else np.zeros(0), columns
 
 
-def _terms(lin: Linear, offsets, kept, edge_columns) -> tuple[np.ndarray, np.ndarray, float]:
-    """Columns and values of a ``Linear`` on this model's variables, and its largest value."""
-    cols, vals, top = [], [], 0.0
+def _terms(lin: Linear, offsets, kept, edge_columns) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """Columns and values of a ``Linear`` on this model's variables, and its largest and least
+    values (each unit and edge group takes one strategy, one placement pair)."""
+    cols, vals, top, bottom = [], [], 0.0, 0.0
     for u, c in lin.units.items():
         cols.append(offsets[u] + np.arange(len(kept[u])))
         vals.append(np.asarray(c, dtype=float)[kept[u]])
-        top += float(vals[-1].max(initial=0.0))
     for g, c in lin.edges.items():
         e, oi, qi = edge_columns[g]
         cols.append(e)
         vals.append(np.asarray(c, dtype=float)[oi, qi])
-        top += float(vals[-1].max(initial=0.0))
+    for v in vals:
+        top += float(v.max(initial=0.0))
+        bottom += float(v.min(initial=0.0))
     if not cols:
-        return np.zeros(0, dtype=np.int64), np.zeros(0), 0.0
-    return np.concatenate(cols), np.concatenate(vals), top
+        return np.zeros(0, dtype=np.int64), np.zeros(0), 0.0, 0.0
+    return np.concatenate(cols), np.concatenate(vals), top, bottom
 
 
 def _recompute_rows(
     b: ModelBuilder, options: list[RecomputeVar], terms, weight: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """The option binaries ``r`` and their seconds ``w``: returns both column arrays."""
-    lb = [1.0 if o.pinned else 0.0 for o in options]
-    ub = [0.0 if o.pinned is False else 1.0 for o in options]
-    r = b.add_vars(len(options), lb=lb, ub=ub, integer=True, names=[f"recompute {o.name}" for o in options])
+    lb = [float(o.pinned) for o in options]
+    r = b.add_vars(len(options), lb=lb, ub=1.0, integer=True, names=[f"recompute {o.name}" for o in options])
     w = b.add_vars(len(options), cost=weight, lb=0.0, ub=np.inf, integer=False)  # microseconds, like the objective
     for i, o in enumerate(options):
-        cols, vals, top = terms(o.seconds)
-        vals, top = vals * SCALE, top * SCALE
+        cols, vals, top, bottom = terms(o.seconds)
+        vals, top, bottom = vals * SCALE, top * SCALE, bottom * SCALE
         # w - seconds(x, e) - M r >= -M
         row = np.zeros(len(cols) + 2, dtype=np.int64)
         b.add_rows(row, np.r_[w[i], r[i], cols], np.r_[1.0, -top, -vals], lo=-top, hi=np.inf)
+        # w >= (least seconds) r: implied at integral points, it prices a fractional r in the LP,
+        # where the big-M row alone lets r = 1 - eps cost nothing
+        b.add_rows(np.zeros(2, dtype=np.int64), [w[i], r[i]], [1.0, -bottom], lo=0.0, hi=np.inf)
     groups: dict[str, list[int]] = {}
     for i, o in enumerate(options):
         groups.setdefault(o.group, []).append(int(r[i]))
@@ -200,14 +213,15 @@ def _recompute_bytes(b: ModelBuilder, budget: BudgetRow, r: np.ndarray, terms) -
     returns the row's extra columns and values (``-s_i``, ``+a_i``)."""
     cols, vals = [], []
     for i, frees, keeps in budget.recompute:
-        fc, fv, ftop = terms(frees)
-        kc, kv, ktop = terms(keeps)
-        fv, ftop, kv, ktop = fv * MIB, ftop * MIB, kv * MIB, ktop * MIB
+        fc, fv, ftop, _ = terms(frees)
+        kc, kv, ktop, kbottom = terms(keeps)
+        fv, ftop, kv, ktop, kbottom = fv * MIB, ftop * MIB, kv * MIB, ktop * MIB, kbottom * MIB
         s, a = b.add_vars(2, lb=0.0, ub=np.inf, integer=False)
         b.add_rows(np.zeros(len(fc) + 1, dtype=np.int64), np.r_[s, fc], np.r_[1.0, -fv], lo=-np.inf, hi=0.0)
         b.add_rows(np.zeros(2, dtype=np.int64), [s, r[i]], [1.0, -ftop], lo=-np.inf, hi=0.0)
         row = np.zeros(len(kc) + 2, dtype=np.int64)
         b.add_rows(row, np.r_[a, r[i], kc], np.r_[1.0, -ktop, -kv], lo=-ktop, hi=np.inf)
+        b.add_rows(np.zeros(2, dtype=np.int64), [a, r[i]], [1.0, -kbottom], lo=0.0, hi=np.inf)  # as for w
         cols += [s, a]
         vals += [-1.0, 1.0]
     return cols, vals
@@ -240,6 +254,7 @@ def solve_placement(
     start: dict[fx.Node, Strategy] | None = None,
     options: list[RecomputeVar] = (),
     smallest_peak: bool = False,
+    diagnose: bool = True,
 ) -> UnitChoice:
     """The cheapest strategy per unit and recompute options; ``start`` (a strategy per unit, e.g. an
     earlier plan's) seeds the search. With ``smallest_peak`` the peak rows' caps give way to one
@@ -247,6 +262,17 @@ def solve_placement(
     plan reaches, in ``UnitChoice.peak``."""
     weight = 1e-9 if smallest_peak else 1.0
     t0 = time.perf_counter()
+    seeded = None
+    if start is None and not smallest_peak and any(not o.pinned for o in options):
+        seeded = _seed(problem, fixed, budgets, time_limit, backend, mip_rel_gap, list(options))
+        if time_limit is not None:
+            time_limit = time_limit - (time.perf_counter() - t0)
+        if seeded is not None:
+            time_limit = _POLISH_S if time_limit is None else min(time_limit, _POLISH_S)
+            if time_limit <= 0:
+                return seeded
+            start = {u: problem.strategies[u][i] for u, i in seeded.choice.items()}
+    t_seed = time.perf_counter()
     kept = undominated(problem, fixed, budgets, options)
     b = ModelBuilder("placement")
     offsets: dict[fx.Node, int] = {}
@@ -285,7 +311,17 @@ def solve_placement(
         return out
 
     seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
-    result = solve(model, backend=backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap, rounding=one_hot, start=seed)
+    if seed is not None:
+        seed[[col for o, col in zip(options, r) if seeded is not None and o.name in seeded.recompute]] = 1.0
+    result = solve(
+        model,
+        backend=backend,
+        time_limit=time_limit,
+        mip_rel_gap=mip_rel_gap,
+        rounding=one_hot,
+        start=seed,
+        diagnose=diagnose,
+    )
     t2 = time.perf_counter()
     x = result.x
     choice = {u: int(kept[u][np.argmax(x[offsets[u] : offsets[u] + len(kept[u])])]) for u in problem.units}
@@ -304,6 +340,57 @@ def solve_placement(
         n_edge_vars=n_edge,
         n_dropped=sum(len(problem.unit_cost[u]) - len(kept[u]) for u in problem.units),
         objective_without_tie_break=x_cost + e_cost + w_cost,
-        build_time=t1 - t0,
-        solve_time=t2 - t1,
+        build_time=t1 - t_seed,
+        solve_time=t2 - t1 + t_seed - t0,
     )
+
+
+def _with_options_on(problem, fixed, budgets, time_limit, backend, mip_rel_gap, options, on: set[int]):
+    """The plan with the options ``on`` (and the pinned ones) forced and the others off, a
+    placement ILP as fast as one without recompute; ``None`` when none is found in ``time_limit``."""
+    keep = [i for i, o in enumerate(options) if o.pinned or i in on]
+    index = {old: new for new, old in enumerate(keep)}
+    rows = [
+        dataclasses.replace(b, recompute=tuple((index[i], f, k) for i, f, k in b.recompute if i in index))
+        for b in budgets
+    ]
+    forced = [dataclasses.replace(options[i], pinned=True) for i in keep]
+    try:
+        return solve_placement(problem, fixed, rows, time_limit, backend, mip_rel_gap, options=forced, diagnose=False)
+    except (InfeasibleError, SolverTimeoutError):
+        return None
+
+
+def _seed(problem, fixed, budgets, time_limit, backend, mip_rel_gap, options) -> UnitChoice | None:
+    """A good plan to start a peak-capped solve from (a feasible plan of the full problem).
+
+    The recompute options' big-M rows make the MIP an order of magnitude slower, and its LP bound
+    weak, while with the options fixed it is a placement ILP solved in seconds. So try, each within
+    ``_TRIAL_S``: no option on (often within the gap of the LP bound already); else, per option
+    kind, the fewest layers recomputing it, the earliest first (their saved activations live
+    longest: recomputing an earlier layer frees as much at every step as a later one's), found
+    by bisection; the cheapest of those. ``None`` when no trial finds a plan within ``_SEED_S``.
+    """
+    deadline = time.perf_counter() + (_SEED_S if time_limit is None else min(time_limit, _SEED_S))
+
+    def trial(on: set[int]) -> UnitChoice | None:
+        left = min(deadline - time.perf_counter(), _TRIAL_S)
+        if left <= 0:
+            return None
+        return _with_options_on(problem, fixed, budgets, left, backend, mip_rel_gap, options, on)
+
+    found = [trial(set())]
+    if found[0] is None:
+        free = [i for i, o in enumerate(options) if not o.pinned]
+        for kind in sorted({options[i].kind for i in free}):
+            order = [i for i in free if options[i].kind == kind]
+            lo, hi, best = 1, len(order), trial(set(order))
+            while best is not None and lo < hi:  # the fewest layers, given that all of them fit
+                mid = (lo + hi) // 2
+                got = trial(set(order[:mid]))
+                lo, hi, best = (lo, mid, got) if got is not None else (mid + 1, hi, best)
+            found.append(best)
+    found = [f for f in found if f is not None]
+    if not found:
+        return None
+    return min(found, key=lambda f: f.objective_without_tie_break)

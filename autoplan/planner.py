@@ -105,21 +105,20 @@ class Planner:
         return out
 
     def _options(self, problem: PlacementProblem, request: Request, cost_model: CostModel) -> list[RecomputeVar]:
-        """Recompute options worth a variable: every layer's, when a peak cap could want them, or
-        the pinned ones."""
+        """Recompute options worth a variable: every layer's when a peak cap could want them, but
+        only the pinned option of a pinned layer (a layer pinned to ``"none"`` has none)."""
         if request.peak_budget is None and not request.recompute:
             return []
         offered = [
             (layer, option, nodes)
             for (layer, option), nodes in self._tagged.items()
-            if nodes and (request.peak_budget is not None or layer in request.recompute)
+            if nodes and request.recompute.get(layer, option if request.peak_budget is not None else None) == option
         ]
         seconds = forward_costs(self.tg, problem, cost_model, [nodes for _, _, nodes in offered])
-        options = []
-        for (layer, option, _), s in zip(offered, seconds):
-            pin = request.recompute.get(layer)
-            options.append(RecomputeVar(_option_name(layer, option), layer, s, None if pin is None else pin == option))
-        return options
+        return [
+            RecomputeVar(_option_name(layer, option), layer, s, layer in request.recompute, option)
+            for (layer, option, _), s in zip(offered, seconds)
+        ]
 
     def _option_schedule(self, option: str) -> memory.Schedule:
         """The schedule with every layer recomputing under ``option`` (what each layer frees is its own)."""
@@ -199,8 +198,10 @@ class Planner:
         time_limit: float | None,
         start: dict[fx.Node, Strategy] | None = None,
         smallest_peak: bool = False,
+        diagnose: bool = True,
     ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
-        """Build and solve the ILP for one clustering; returns the solve and every node's strategy."""
+        """Build and solve the ILP for one clustering; returns the solve and every node's strategy
+        (``diagnose``: name the conflicting constraints of an infeasible one)."""
         problem = build_problem(self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers)
         options = self._options(problem, request, cost_model)
         budgets = self._peak_rows(problem, request, steps, options)
@@ -218,6 +219,7 @@ class Planner:
             start=start,
             options=options,
             smallest_peak=smallest_peak,
+            diagnose=diagnose,
         )
         return problem, solved, expand_choice(self.tg, problem, solved.choice)
 
@@ -229,27 +231,20 @@ class Planner:
         sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.schedule
         return memory.estimate(self.tg, chosen, self.mesh_shape, self.optimizer, sched), sched
 
-    def _solve_within_peak(self, request: Request, cost_model: CostModel):
-        """Solve with the peak bounded at candidate steps; where the plan's estimated peak still
-        exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound that
-        step too, less what its row misses (or, where it is bounded already, less the overshoot),
-        and solve again."""
-        capped = request.peak_budget is not None
-        steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
+    def _solve_within_peak(self, request: Request, solve_with, steps: dict[int, float]):
+        """``solve_with(steps)`` with the peak bounded at ``steps``; where the plan's estimated peak
+        still exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound
+        that step too, less what its row misses (or, where it is bounded already, less the
+        overshoot), and solve again. Returns the last solve, whether its plan is within the cap, and
+        the steps bounded."""
+        steps = dict(steps)
         for _ in range(_PEAK_ROUNDS):
-            try:
-                problem, solved, chosen = self._solve(
-                    request, self.clustering, self.strategies, cost_model, steps, self.time_limit
-                )
-            except InfeasibleError as e:
-                if capped and any(g.startswith(_PEAK_GROUP) for g in e.groups):
-                    raise self._smallest_peak_error(e, request, cost_model, steps) from e
-                raise
-            if not capped:
-                break
+            problem, solved, chosen = solve_with(steps)
+            if request.peak_budget is None:
+                return (problem, solved, chosen), True, steps
             report, sched = self.estimate(chosen, _choice(solved.recompute))
             if not _over(report, request):
-                break
+                return (problem, solved, chosen), True, steps
             t = _base_step(sched, self.schedule, report.peak_at)
             linear = memory.linear_peak_bytes(
                 sched, sched.step[self.schedule.order[t]], chosen, self.params, self.mesh_shape, self.optimizer
@@ -258,6 +253,22 @@ class Planner:
             if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
                 missed = steps[t] + report.peak_bytes - request.peak_budget
             steps[t] = missed
+        return (problem, solved, chosen), False, steps
+
+    def _main_solve(self, request: Request, cost_model: CostModel):
+        """The solve with identical layers tied, bounded at two candidate steps to begin with."""
+        capped = request.peak_budget is not None
+        steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
+
+        def solve_with(steps):
+            try:
+                return self._solve(request, self.clustering, self.strategies, cost_model, steps, self.time_limit)
+            except InfeasibleError as e:
+                if capped and any(g.startswith(_PEAK_GROUP) for g in e.groups):
+                    raise self._smallest_peak_error(e, request, cost_model, steps) from e
+                raise
+
+        (problem, solved, chosen), _, steps = self._solve_within_peak(request, solve_with, steps)
         return problem, solved, chosen, steps
 
     def _smallest_peak_error(
@@ -306,7 +317,8 @@ class Planner:
 
         Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
         one layer plus the nodes outside repeated layers, which are free to meet the group halfway.
-        Recompute choices stay as the main solve made them.
+        Recompute choices stay as the main solve made them. Under a peak cap the re-solve is bounded
+        in rounds like the main solve; returns whether its plan is within the cap, and its steps.
         """
         split = untie(clustering, group)
         tied = {i for c in self.clustering.classes for i in c} - set(group)
@@ -322,7 +334,12 @@ class Planner:
         else:
             pins = {**{layer: NO_RECOMPUTE for layer in self.layers}, **_choice(recomputed)}
             pinned = dataclasses.replace(request, recompute=pins)
-        return split, self._solve(pinned, split, strategies, cost_model, steps, time_limit, start=chosen)
+
+        def solve_with(steps):
+            return self._solve(pinned, split, strategies, cost_model, steps, time_limit, start=chosen, diagnose=False)
+
+        solved, within, steps = self._solve_within_peak(request, solve_with, steps)
+        return split, solved, within, steps
 
     def plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
         """Solve for the cheapest plan under ``request``.
@@ -334,7 +351,7 @@ class Planner:
         tg = self.tg
         t0 = time.perf_counter()
         cost_model = CostModel(self.mesh, self.device_profile)
-        problem, solved, chosen, steps = self._solve_within_peak(request, cost_model)
+        problem, solved, chosen, steps = self._main_solve(request, cost_model)
         t1 = time.perf_counter()
         clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
         recomputed = solved.recompute
@@ -343,16 +360,18 @@ class Planner:
             if left is not None and left <= 0:
                 break
             try:
-                split, (_, step, step_chosen) = self._refine(
+                split, (_, step, step_chosen), within, step_steps = self._refine(
                     request, clustering, group, chosen, recomputed, cost_model, steps, left
                 )
-            except SolverTimeoutError:
+            except (SolverTimeoutError, InfeasibleError):  # the group's own bounds may not meet a cap
                 break
             gain = objective - step.objective_without_tie_break
-            kept = gain > 1e-9 * objective  # below that it is the tie-break trading cost for fewer changes
+            # below 1e-9 it is the tie-break trading cost for fewer changes
+            kept = within and gain > 1e-9 * objective
             refinements.append(_refinement(group, step, gain, kept))
             if kept:
                 clustering, objective, chosen = split, step.objective_without_tie_break, step_chosen
+                steps = step_steps
         t2 = time.perf_counter()
         choice = _choice(recomputed)
         reps = self.clustering.rep

@@ -142,10 +142,13 @@ def forward_costs(
     already recomputed for FSDP). Identical layers share representatives, priced once."""
     resident = tg.resident()
     compute: dict[fx.Node, np.ndarray] = {}
-    return [_forward_cost(problem, cost_model, nodes, resident, compute) for nodes in node_sets]
+    edges: dict[tuple, _Edge] = {}
+    return [_forward_cost(problem, cost_model, nodes, resident, compute, edges) for nodes in node_sets]
 
 
-def _forward_cost(problem, cost_model, nodes, resident, compute: dict[fx.Node, np.ndarray]) -> Linear:
+def _forward_cost(problem, cost_model, nodes, resident, compute: dict, edges: dict) -> Linear:
+    """``compute`` and ``edges``: what was priced already, per representative and per
+    (producer rep, output, consumer rep, slot)."""
     rep, out = problem.clustering.rep, Linear()
     for n in sorted(nodes, key=lambda n: n.name):
         if rep[n] not in problem.root:  # a tuple's element: no decision, no kernel
@@ -158,7 +161,10 @@ def _forward_cost(problem, cost_model, nodes, resident, compute: dict[fx.Node, n
             u, k = value_of(a)
             if u in resident:
                 continue
-            edge = _edge(problem.strategies, problem.root, cost_model, rep[u], k, rep[n], j)
+            key = (rep[u], k, rep[n], j)
+            if key not in edges:
+                edges[key] = _edge(problem.strategies, problem.root, cost_model, *key)
+            edge = edges[key]
             if edge.key is None:
                 out.add_unit(edge.unit, edge.per_strategy(edge.cost))
             else:

@@ -73,7 +73,9 @@ class LinearModel:
         return float(self.cost @ x) + self.constant
 
     def with_fixed(self, columns: np.ndarray, values: np.ndarray) -> LinearModel:
-        """Same model with the columns where ``columns`` is true fixed to ``values``."""
+        """Same model with the columns where ``columns`` is true fixed to ``values``, clipped to the
+        columns' bounds (a guess never overrides a bound, e.g. a pinned binary)."""
+        values = np.clip(values, self.col_lb, self.col_ub)
         lb = np.where(columns, values, self.col_lb)
         ub = np.where(columns, values, self.col_ub)
         return replace(self, col_lb=_frozen(lb, np.float64), col_ub=_frozen(ub, np.float64))

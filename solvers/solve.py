@@ -126,13 +126,17 @@ def _finish(
     passes: list[RawSolution],
     lp_bound: float,
     best: tuple[np.ndarray, float] | None = None,
+    diagnose: bool = True,
 ) -> SolveResult:
     """Turn the final pass into a result, or raise for infeasibility / a fruitless time limit.
 
-    ``best`` is a feasible point found before the last pass; it stands when that pass found nothing better.
+    ``best`` is a feasible point found before the last pass; it stands when that pass found nothing
+    better. Without ``diagnose`` an infeasibility names every user group (no deletion filter).
     """
     raw = passes[-1]
     if raw.status is SolveStatus.INFEASIBLE:
+        if not diagnose:
+            raise InfeasibleError(list(model.groups), f"The {model.name} problem is infeasible (not diagnosed).")
         raise _diagnose(model, run, opts)
     if raw.status is SolveStatus.NO_SOLUTION and raw.hit_limit and best is None:
         raise _timeout(model, backend, opts)
@@ -180,6 +184,7 @@ def solve(
     verbose: bool = False,
     rounding: Callable[[np.ndarray], np.ndarray] | None = None,
     start: np.ndarray | None = None,
+    diagnose: bool = True,
 ) -> SolveResult:
     """Minimise ``model``.
 
@@ -194,7 +199,8 @@ def solve(
     point is within ``mip_rel_gap`` of the LP bound it is provably good enough and the MIP is skipped.
     ``start`` gives integer values known to be feasible (e.g. a previous plan), completed the same
     way, and so is the LP rounded only where it is integral (the fractional rest searched). The
-    best point found is the MIP's starting incumbent.
+    best point found is the MIP's starting incumbent. ``diagnose=False`` skips the search for the
+    conflicting groups (when only feasibility matters, e.g. a try whose failure has a fallback).
     """
     name = _backend_name(backend)
     run = _BACKENDS[name]
@@ -211,7 +217,7 @@ def solve(
             objective = model.objective_value(x)
             return _result(model, name, passes, SolveStatus.OPTIMAL, x, objective, lp.bound, lp_was_integral=True)
         if model.n_integer == 0 or lp.status is SolveStatus.INFEASIBLE:
-            return _finish(model, name, run, opts, passes, lp_bound)
+            return _finish(model, name, run, opts, passes, lp_bound, diagnose=diagnose)
         if lp.hit_limit:  # no integer point yet and no time left for the MIP
             raise _timeout(model, name, opts)
         if lp.status is SolveStatus.OPTIMAL:
@@ -232,4 +238,4 @@ def solve(
     if best is not None:
         mip_opts = replace(mip_opts, start=best[0])
     passes.append(run(model, True, mip_opts))
-    return _finish(model, name, run, opts, passes, lp_bound, best)
+    return _finish(model, name, run, opts, passes, lp_bound, best, diagnose)

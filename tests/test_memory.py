@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoplan import AutoParallel, Plan
 from autoplan.bench import run_memory
 from autoplan.errors import InfeasiblePlanError
+from autoplan.workloads import llama_model
 from solvers import InfeasibleError
 
 IO = (Shard(0), Replicate())
@@ -74,6 +75,25 @@ def test_unreachable_peak_cap_names_the_memory_constraint_and_the_smallest_peak(
     ap.add_memory_constraint(bytes_per_device=0.97 * least)
     with pytest.raises(InfeasiblePlanError):
         ap.optimize_placement()
+
+
+@pytest.mark.slow  # ~145 s on 2 cores: seeding trials, the MIP's polish and the re-solves of two boundary layers
+def test_a_capped_llama_plan_with_recompute_options_is_within_its_cap():
+    """LLaMA-3 debug on 2x2 under a cap 20% below the free plan's peak: the solve with recompute
+    options (seeded by the trials without them, or with the fewest layers recomputing) meets it,
+    and so do the boundary layers' re-solves it keeps."""
+    model, cfg = llama_model("llama3-debug", torch.float32)
+    with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO])
+        free = ap.optimize_placement()
+        cap = 0.8 * free.memory.peak_bytes
+        ap.add_memory_constraint(bytes_per_device=cap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "exceeds bytes_per_device" warning
+            plan = ap.optimize_placement()
+    assert plan.memory.peak_bytes <= cap < free.memory.peak_bytes
+    assert plan.cost.total >= free.cost.total * (1 - 1e-3)
 
 
 def test_gradients_are_moved_where_they_are_produced():

@@ -124,6 +124,22 @@ def test_start_is_completed_and_never_beaten_by_a_worse_answer(backend):
     assert res.objective == pytest.approx(solve(model, backend=backend).objective)
 
 
+def test_a_start_never_overrides_a_column_bound():
+    """A guess below a binary's lower bound (an option the user forced on) is completed with the
+    bound kept: the answer is never the cheaper point the bound forbids."""
+    b = ModelBuilder("placement")
+    x = b.add_vars(3, cost=[1.0, -1.0, -1.0], lb=[1.0, 0.0, 0.0])  # x0 is forced on and costs
+    b.add_rows([0, 0], x[1:], [2.0, 2.0], -np.inf, 3.0)  # the LP takes x2 = 0.5: fractional
+    res = solve(b.build(), start=np.array([0.0, 1.0, 0.0]))
+    assert res.x[0] == 1.0 and res.objective == 0.0
+
+
+def test_infeasibility_without_diagnosis_names_every_group():
+    with pytest.raises(InfeasibleError) as err:
+        solve(conflicting_model(), diagnose=False)
+    assert set(err.value.groups) == set(conflicting_model().groups) and "not diagnosed" in str(err.value)
+
+
 def test_without_lp_first_the_mip_is_solved_directly():
     res = solve(assignment_model(), lp_first=False)
     assert res.status is SolveStatus.OPTIMAL and not res.lp_was_integral
