@@ -50,6 +50,8 @@ def _planned(args: argparse.Namespace):
         ap.add_input_constraints([batch_pl])
         ap.add_output_constraints([batch_pl])
         ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
+        if getattr(args, "recompute", None):
+            ap.add_recompute_constraint("layers.*", args.recompute)
         plan = ap.optimize_placement()
     return ap, plan, shape, batch, seq
 
@@ -461,6 +463,7 @@ def run_memory(args: argparse.Namespace) -> dict:
     result = {
         "model": args.model,
         "layers": llama_config(args.model, args.layers).n_layers,
+        "recompute": plan.recompute,
         "device": args.device,
         "dtype": args.dtype,
         "local_batch": args.batch,
@@ -473,7 +476,7 @@ def run_memory(args: argparse.Namespace) -> dict:
     }
     print(
         f"{args.model} x{result['layers']} layers, mesh {result['mesh']}, local batch {args.batch}x{result['seq']},"
-        f" {args.dtype} on {args.device}"
+        f" {args.dtype} on {args.device}, recompute {sorted(set(plan.recompute.values())) or 'none'}"
     )
     print(
         f"peak per device: measured {measured / 2**20:.1f} MiB, estimated {estimated / 2**20:.1f} MiB"
@@ -514,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     for action in o._actions[1:]:
         if action.dest not in ("compile", "steps", "planned_only"):
             m._add_action(action)
+    m.add_argument(
+        "--recompute", choices=("none", "selective", "full"), default=None, help="pin every layer's recompute option"
+    )
     args = parser.parse_args(argv)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")

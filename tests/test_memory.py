@@ -19,15 +19,31 @@ from solvers import InfeasibleError
 IO = (Shard(0), Replicate())
 
 
-@pytest.mark.parametrize("mesh", ["2x2", pytest.param("2x4", marks=pytest.mark.slow)])
-def test_estimated_peak_is_within_15_percent_of_measured(mesh):
+@pytest.mark.parametrize(
+    "mesh, recompute",
+    [
+        ("2x2", None),
+        pytest.param("2x2", "full", marks=pytest.mark.slow),
+        pytest.param("2x4", None, marks=pytest.mark.slow),
+    ],
+)
+def test_estimated_peak_is_within_15_percent_of_measured(mesh, recompute):
     """LLaMA-3 debug, fp32: rank 0's lowered step runs for real on the fake process group (allocations
     tracked by the profiler's memory timeline) beside the plan's liveness-walk estimate."""
     fake_mesh((8,))
     args = argparse.Namespace(
-        model="llama3-debug", layers=None, mesh=mesh, device="cpu", batch=2, seq=None, dtype="float32", json=None
+        model="llama3-debug",
+        layers=None,
+        mesh=mesh,
+        device="cpu",
+        batch=2,
+        seq=None,
+        dtype="float32",
+        json=None,
+        recompute=recompute,
     )
     r = run_memory(args)
+    assert (r["recompute"] != {}) == (recompute is not None)
     assert 0.85 <= r["estimate_over_measured"] <= 1.15, r
     assert r["estimate"]["activation_bytes"] > 0 and r["estimate"]["peak_parts"]
 
