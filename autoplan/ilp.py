@@ -311,8 +311,8 @@ def solve_placement(
         return out
 
     seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
-    if seed is not None:
-        seed[[col for o, col in zip(options, r) if seeded is not None and o.name in seeded.recompute]] = 1.0
+    if seed is not None and seeded is not None:
+        seed[[col for o, col in zip(options, r) if o.name in seeded.recompute]] = 1.0
     result = solve(
         model,
         backend=backend,

@@ -59,16 +59,23 @@ def _mlp_planner():
     return ap
 
 
-def test_peak_cap_is_met_by_a_different_plan():
-    """Capping the estimated peak below the free plan's makes the ILP trade step time for memory;
-    the report shows the peak, its parts and where it is, and survives JSON."""
-    ap = _mlp_planner()
+def _free_then_capped(ap: AutoParallel, fraction: float):
+    """The free plan, then the plan under a cap at ``fraction`` of its peak (which must not warn
+    that it exceeds the cap), and the cap."""
     free = ap.optimize_placement()
-    cap = 0.7 * free.memory.peak_bytes
+    cap = fraction * free.memory.peak_bytes
     ap.add_memory_constraint(bytes_per_device=cap)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "exceeds bytes_per_device" warning
         capped = ap.optimize_placement()
+    return free, capped, cap
+
+
+def test_peak_cap_is_met_by_a_different_plan():
+    """Capping the estimated peak below the free plan's makes the ILP trade step time for memory;
+    the report shows the peak, its parts and where it is, and survives JSON."""
+    ap = _mlp_planner()
+    free, capped, cap = _free_then_capped(ap, 0.7)
     assert capped.memory.peak_bytes <= cap < free.memory.peak_bytes
     assert capped.cost.total >= free.cost.total and capped.param_placements != free.param_placements
     assert sum(capped.memory.peak_parts.values()) == capped.memory.peak_bytes
@@ -102,12 +109,7 @@ def test_a_capped_llama_plan_with_recompute_options_is_within_its_cap():
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
         ap.add_input_constraints([IO])
         ap.add_output_constraints([IO])
-        free = ap.optimize_placement()
-        cap = 0.8 * free.memory.peak_bytes
-        ap.add_memory_constraint(bytes_per_device=cap)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # no "exceeds bytes_per_device" warning
-            plan = ap.optimize_placement()
+        free, plan, cap = _free_then_capped(ap, 0.8)
     assert plan.memory.peak_bytes <= cap < free.memory.peak_bytes
     assert plan.cost.total >= free.cost.total * (1 - 1e-3)
 
