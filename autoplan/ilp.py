@@ -177,7 +177,7 @@ def _terms(lin: Linear, offsets, kept, edge_columns) -> tuple[np.ndarray, np.nda
         vals.append(np.asarray(c, dtype=float)[oi, qi])
     for v in vals:
         top += float(v.max(initial=0.0))
-        bottom += float(v.min(initial=0.0))
+        bottom += float(v.min()) if v.size else 0.0  # ``initial=0`` would clamp a positive least value to 0
     if not cols:
         return np.zeros(0, dtype=np.int64), np.zeros(0), 0.0, 0.0
     return np.concatenate(cols), np.concatenate(vals), top, bottom

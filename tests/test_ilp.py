@@ -55,3 +55,20 @@ def test_constraints_keep_strategies_they_distinguish():
     assert undominated(problem, [], [budget])[a].tolist() == [0, 1]
     solved = solve_placement(problem, [], [budget])
     assert solved.choice[a] == 1  # the only strategy within budget
+
+
+def test_the_least_value_of_a_linear_sums_each_units_least_choice():
+    """The rows ``w >= least * r`` price a fractional recompute option only if ``least`` is the true
+    minimum; clamping it at zero made them no-ops."""
+    from autoplan.ilp import _terms
+    from autoplan.problem import Linear
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    lin = Linear()
+    lin.add_unit(a, np.array([3.0, 5.0, 4.0]))
+    lin.add_unit(b, np.array([2.0, 7.0]))
+    kept = {a: np.array([0, 1, 2]), b: np.array([1])}
+    _, vals, top, bottom = _terms(lin, {a: 0, b: 3}, kept, {})
+    assert list(vals) == [3.0, 5.0, 4.0, 7.0]
+    assert (top, bottom) == (12.0, 10.0)
