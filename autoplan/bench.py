@@ -50,6 +50,8 @@ def _planned(args: argparse.Namespace):
         ap.add_input_constraints([batch_pl])
         ap.add_output_constraints([batch_pl])
         ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
+        if getattr(args, "cap", None):
+            ap.add_memory_constraint(bytes_per_device=args.cap * 2**30)
         if getattr(args, "recompute", None):
             ap.add_recompute_constraint("layers.*", args.recompute)
         plan = ap.optimize_placement()
@@ -95,6 +97,9 @@ def run_plan(args: argparse.Namespace) -> dict:
         "phases_s": plan.timings | {"apply": applied["apply_s"]},
         "ilp": plan.ilp,
         "objective_s": plan.cost.total,
+        "cap_gib": getattr(args, "cap", None),
+        "estimated_peak_bytes": plan.memory.peak_bytes,
+        "recompute": plan.recompute,
         "objective_after_round_trips_s": ap.applied_plan.cost.total,
         "solver": {
             k: plan.solver.get(k) for k in ("backend", "status", "objective", "bound", "gap", "lp_was_integral")
@@ -116,6 +121,9 @@ def run_plan(args: argparse.Namespace) -> dict:
         f"objective {plan.cost.total * 1e3:.2f} ms/step ({ap.applied_plan.cost.total * 1e3:.2f} after round-trip"
         f" removal), gap {plan.solver.get('gap')}"
     )
+    chosen = sorted({f"{o}: {sum(v == o for v in plan.recompute.values())} layers" for o in plan.recompute.values()})
+    cap = f" (cap {args.cap:g} GiB)" if getattr(args, "cap", None) else ""
+    print(f"estimated peak {plan.memory.peak_bytes / 2**30:.2f} GiB per device{cap}, recompute {chosen or 'none'}")
     return result
 
 
@@ -464,6 +472,7 @@ def run_memory(args: argparse.Namespace) -> dict:
         "model": args.model,
         "layers": llama_config(args.model, args.layers).n_layers,
         "recompute": plan.recompute,
+        "cap_gib": getattr(args, "cap", None),
         "device": args.device,
         "dtype": args.dtype,
         "local_batch": args.batch,
@@ -496,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default=None, help="write the numbers to this file")
+    p.add_argument("--cap", type=float, default=None, help="cap the estimated peak per device (GiB)")
     a = sub.add_parser("apply", help="time lowering a plan into the distributed graph on a fake process group")
     for action in p._actions[1:]:
         a._add_action(action)
@@ -520,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument(
         "--recompute", choices=("none", "selective", "full"), default=None, help="pin every layer's recompute option"
     )
+    m.add_argument("--cap", type=float, default=None, help="cap the estimated peak per device (GiB)")
     args = parser.parse_args(argv)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")

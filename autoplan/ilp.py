@@ -35,7 +35,7 @@ TIE_BREAK = 1e-3
 # many minutes, while the seed is rarely improved by more than a few percent).
 _TRIAL_S = 10.0
 _SEED_S = 90.0
-_POLISH_S = 30.0
+POLISH_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class UnitChoice:
     objective_without_tie_break: float
     build_time: float
     solve_time: float
+    seeded: bool = False  # a fixed-option trial's plan, not yet polished by the full MIP
 
 
 @dataclass(frozen=True)
@@ -255,11 +256,15 @@ def solve_placement(
     options: list[RecomputeVar] = (),
     smallest_peak: bool = False,
     diagnose: bool = True,
+    start_recompute: tuple[str, ...] = (),
+    polish_s: float = POLISH_S,
 ) -> UnitChoice:
     """The cheapest strategy per unit and recompute options; ``start`` (a strategy per unit, e.g. an
-    earlier plan's) seeds the search. With ``smallest_peak`` the peak rows' caps give way to one
-    variable ``P`` the solve minimises instead (step time only breaks ties): the least peak any
-    plan reaches, in ``UnitChoice.peak``."""
+    earlier plan's, with the options ``start_recompute`` on) seeds the search. Without a start and
+    with free options, a fixed-option trial's plan (``_seed``) is the start, and the full MIP gets
+    at most ``polish_s`` to improve on it (0: the trial's plan is returned as it is). With
+    ``smallest_peak`` the peak rows' caps give way to one variable ``P`` the solve minimises
+    instead (step time only breaks ties): the least peak any plan reaches, in ``UnitChoice.peak``."""
     weight = 1e-9 if smallest_peak else 1.0
     t0 = time.perf_counter()
     seeded = None
@@ -268,10 +273,11 @@ def solve_placement(
         if time_limit is not None:
             time_limit = time_limit - (time.perf_counter() - t0)
         if seeded is not None:
-            time_limit = _POLISH_S if time_limit is None else min(time_limit, _POLISH_S)
+            time_limit = polish_s if time_limit is None else min(time_limit, polish_s)
             if time_limit <= 0:
                 return seeded
             start = {u: problem.strategies[u][i] for u, i in seeded.choice.items()}
+            start_recompute = seeded.recompute
     t_seed = time.perf_counter()
     kept = undominated(problem, fixed, budgets, options)
     b = ModelBuilder("placement")
@@ -311,8 +317,8 @@ def solve_placement(
         return out
 
     seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
-    if seed is not None and seeded is not None:
-        seed[[col for o, col in zip(options, r) if o.name in seeded.recompute]] = 1.0
+    if seed is not None:
+        seed[[col for o, col in zip(options, r) if o.name in start_recompute]] = 1.0
     result = solve(
         model,
         backend=backend,
@@ -393,4 +399,4 @@ def _seed(problem, fixed, budgets, time_limit, backend, mip_rel_gap, options) ->
     found = [f for f in found if f is not None]
     if not found:
         return None
-    return min(found, key=lambda f: f.objective_without_tie_break)
+    return dataclasses.replace(min(found, key=lambda f: f.objective_without_tie_break), seeded=True)

@@ -255,9 +255,9 @@ def live_storages(sched: Schedule, step: int) -> list[Key]:
     return [n for n, o in sched.owner.items() if o is n and sched.born[n] <= step <= sched.dies[n]]
 
 
-def candidate_steps(sched: Schedule, count: int = 4) -> list[int]:
-    """Where the peak is likely, for the ILP to bound: the end of the forward and the highest local
-    maxima of the unsharded profile (placements scale most values alike, so peaks stay in place)."""
+def live_profile(sched: Schedule) -> np.ndarray:
+    """Bytes alive at each step with every value unsharded: where the peaks are, whatever the
+    placements (they scale most values alike)."""
     delta = np.zeros(sched.n_steps + 1)
     for n, o in sched.owner.items():
         if o is n:
@@ -265,11 +265,27 @@ def candidate_steps(sched: Schedule, count: int = 4) -> list[int]:
             b = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
             delta[sched.born[n]] += b
             delta[sched.dies[n] + 1] -= b
-    live = np.cumsum(delta)[:-1]
+    return np.cumsum(delta)[:-1]
+
+
+def candidate_steps(sched: Schedule, count: int = 4) -> list[int]:
+    """Where the peak is likely, for the ILP to bound: the end of the forward and the highest local
+    maxima of the unsharded profile."""
+    live = live_profile(sched)
     left, right = np.r_[-np.inf, live[:-1]], np.r_[live[1:], -np.inf]
     maxima = np.flatnonzero((live >= left) & (live > right))
     top = maxima[np.argsort(-live[maxima], kind="stable")][:count]
     return sorted({sched.forward_end, *(int(t) for t in top)})
+
+
+def chain_peak(sched: Schedule, step: int, live: np.ndarray) -> int:
+    """Of ``step`` and the recomputed copies run right before it (the chain it triggers), the step
+    with the most bytes alive in the profile ``live``: a chain's intermediates can die before the
+    op that needs its end, so the chain's own peak may be above that op's."""
+    first = step
+    while first > 0 and isinstance(sched.order[first - 1], Recomputed):
+        first -= 1
+    return first + int(np.argmax(live[first : step + 1]))
 
 
 def row_bytes(
@@ -288,9 +304,13 @@ def linear_peak_bytes(
     return int(sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen))
 
 
-def recompute_changes(base: Schedule, rc: Schedule, step: int) -> tuple[set[fx.Node], set[fx.Node]]:
+def recompute_changes(
+    base: Schedule, rc: Schedule, rc_live: np.ndarray, step: int
+) -> tuple[set[fx.Node], set[fx.Node]]:
     """At the base schedule's ``step``: the storages recomputing frees (saved values no longer
-    alive) and those it keeps alive in addition (inputs of recomputed ops saved in their place)."""
+    alive) and those it keeps alive in addition (inputs of recomputed ops saved in their place,
+    and the recomputed copies alive at the peak of the chain the step triggers). ``rc_live`` is
+    ``live_profile(rc)``."""
     before = set(live_storages(base, step))
-    after = {node_of(k) for k in live_storages(rc, rc.step[base.order[step]])}
+    after = {node_of(k) for k in live_storages(rc, chain_peak(rc, rc.step[base.order[step]], rc_live))}
     return before - after, after - before

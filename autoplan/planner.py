@@ -26,7 +26,7 @@ from autoplan.clustering import Clustering, untie
 from autoplan.costs import CostModel, DeviceProfile, local_bytes
 from autoplan.errors import ConstraintError, InfeasiblePlanError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
-from autoplan.ilp import BudgetRow, FixedRows, RecomputeVar, UnitChoice, solve_placement
+from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, RecomputeVar, UnitChoice, solve_placement
 from autoplan.plan import Plan
 from autoplan.problem import Linear, PlacementProblem, allowed_strategies, build_problem, forward_costs
 from autoplan.strategies import NodeStrategies, Placements, Strategy
@@ -35,7 +35,7 @@ from solvers import InfeasibleError, SolverTimeoutError
 
 log = logging.getLogger(__name__)
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
-_PEAK_GAP = 1e-3  # relative MIP gap of solves under a peak cap
+_PEAK_GAP = 1e-2  # relative MIP gap of solves under a peak cap
 NO_RECOMPUTE = "none"
 _PEAK_GROUP = "memory constraint: estimated peak"
 _SMALLEST_PEAK_S = 5.0  # time for finding the least peak an infeasible cap's error reports
@@ -51,6 +51,20 @@ class Request:
     param_budget: float | None = None
     peak_budget: float | None = None
     recompute: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Solved:
+    """A solve bounded in rounds: the last round's problem, choice and every node's strategy,
+    whether its plan is within the peak cap, the steps bounded, and the ILP seconds of all rounds."""
+
+    problem: PlacementProblem
+    solved: UnitChoice
+    chosen: dict[fx.Node, Strategy]
+    within: bool
+    steps: dict[int, float]
+    build_s: float
+    solve_s: float
 
 
 @dataclass
@@ -73,7 +87,7 @@ class Planner:
         self._tagged = {
             (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
         }
-        self._option_schedules: dict[str, memory.Schedule] = {}
+        self._option_schedules: dict[str, tuple[memory.Schedule, np.ndarray]] = {}
         self._changes: dict[tuple[int, str], dict[str, tuple[list, list]]] = {}
 
     # ---- rows ---------------------------------------------------------------------------
@@ -120,11 +134,13 @@ class Planner:
             for (layer, option, _), s in zip(offered, seconds)
         ]
 
-    def _option_schedule(self, option: str) -> memory.Schedule:
-        """The schedule with every layer recomputing under ``option`` (what each layer frees is its own)."""
+    def _option_schedule(self, option: str) -> tuple[memory.Schedule, np.ndarray]:
+        """The schedule with every layer recomputing under ``option`` (what each layer frees is its
+        own), and its unsharded live profile."""
         if option not in self._option_schedules:
             nodes = frozenset().union(*(t for (_, o), t in self._tagged.items() if o == option))
-            self._option_schedules[option] = memory.schedule(self.tg, nodes)
+            sched = memory.schedule(self.tg, nodes)
+            self._option_schedules[option] = sched, memory.live_profile(sched)
         return self._option_schedules[option]
 
     def _layer_of(self, n: fx.Node, option: str) -> str:
@@ -141,7 +157,7 @@ class Planner:
         """Per layer, the storages its ``option`` frees and keeps alive at ``step``, in schedule order
         (they depend on the trace alone: computed once for every solve, round and re-solve)."""
         if (step, option) not in self._changes:
-            frees, keeps = memory.recompute_changes(self.schedule, self._option_schedule(option), step)
+            frees, keeps = memory.recompute_changes(self.schedule, *self._option_schedule(option), step)
             by_layer: dict[str, tuple[list, list]] = {}
             for side, nodes in enumerate((frees, keeps)):
                 for n in sorted(nodes, key=self.schedule.step.__getitem__):
@@ -199,9 +215,12 @@ class Planner:
         start: dict[fx.Node, Strategy] | None = None,
         smallest_peak: bool = False,
         diagnose: bool = True,
+        start_recompute: tuple[str, ...] = (),
+        polish_s: float = POLISH_S,
     ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
         """Build and solve the ILP for one clustering; returns the solve and every node's strategy
-        (``diagnose``: name the conflicting constraints of an infeasible one)."""
+        (``diagnose``: name the conflicting constraints of an infeasible one; ``polish_s``: see
+        ``solve_placement``)."""
         problem = build_problem(self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers)
         options = self._options(problem, request, cost_model)
         budgets = self._peak_rows(problem, request, steps, options)
@@ -220,6 +239,8 @@ class Planner:
             options=options,
             smallest_peak=smallest_peak,
             diagnose=diagnose,
+            start_recompute=start_recompute,
+            polish_s=polish_s,
         )
         return problem, solved, expand_choice(self.tg, problem, solved.choice)
 
@@ -231,45 +252,67 @@ class Planner:
         sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.schedule
         return memory.estimate(self.tg, chosen, self.mesh_shape, self.optimizer, sched), sched
 
-    def _solve_within_peak(self, request: Request, solve_with, steps: dict[int, float]):
+    def _solve_within_peak(self, request: Request, solve_with, steps: dict[int, float]) -> _Solved:
         """``solve_with(steps)`` with the peak bounded at ``steps``; where the plan's estimated peak
         still exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound
         that step too, less what its row misses (or, where it is bounded already, less the
-        overshoot), and solve again. Returns the last solve, whether its plan is within the cap, and
-        the steps bounded."""
-        steps = dict(steps)
+        overshoot), and solve again, at most ``_PEAK_ROUNDS`` times."""
+        steps, build_s, solve_s = dict(steps), 0.0, 0.0
         for _ in range(_PEAK_ROUNDS):
             problem, solved, chosen = solve_with(steps)
+            build_s, solve_s = build_s + solved.build_time, solve_s + solved.solve_time
             if request.peak_budget is None:
-                return (problem, solved, chosen), True, steps
+                return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
             report, sched = self.estimate(chosen, _choice(solved.recompute))
             if not _over(report, request):
-                return (problem, solved, chosen), True, steps
+                return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
             t = _base_step(sched, self.schedule, report.peak_at)
             linear = memory.linear_peak_bytes(
-                sched, sched.step[self.schedule.order[t]], chosen, self.params, self.mesh_shape, self.optimizer
+                sched, _step_named(sched, report.peak_at), chosen, self.params, self.mesh_shape, self.optimizer
             )
             missed = max(steps.get(t, 0.0), report.peak_bytes - linear)
             if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
                 missed = steps[t] + report.peak_bytes - request.peak_budget
             steps[t] = missed
-        return (problem, solved, chosen), False, steps
+        return _Solved(problem, solved, chosen, False, steps, build_s, solve_s)
 
-    def _main_solve(self, request: Request, cost_model: CostModel):
-        """The solve with identical layers tied, bounded at two candidate steps to begin with."""
+    def _main_solve(self, request: Request, cost_model: CostModel) -> _Solved:
+        """The solve with identical layers tied, bounded at two candidate steps to begin with.
+
+        Under a cap with free recompute options, each round takes the fixed-option trials' plan as
+        it is (``polish_s=0``), and only the last round's plan, once within the cap, is polished by
+        the full MIP: the polish is the slow part, and an earlier round's is thrown away."""
         capped = request.peak_budget is not None
         steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
+        t0 = time.perf_counter()
 
-        def solve_with(steps):
+        def solve_with(steps, time_limit=self.time_limit, **kw):
             try:
-                return self._solve(request, self.clustering, self.strategies, cost_model, steps, self.time_limit)
+                return self._solve(request, self.clustering, self.strategies, cost_model, steps, time_limit, **kw)
             except InfeasibleError as e:
                 if capped and any(g.startswith(_PEAK_GROUP) for g in e.groups):
                     raise self._smallest_peak_error(e, request, cost_model, steps) from e
                 raise
 
-        (problem, solved, chosen), _, steps = self._solve_within_peak(request, solve_with, steps)
-        return problem, solved, chosen, steps
+        done = self._solve_within_peak(request, lambda s: solve_with(s, polish_s=0.0), steps)
+        if not (done.solved.seeded and done.within):
+            return done
+        left = POLISH_S if self.time_limit is None else min(POLISH_S, self.time_limit - (time.perf_counter() - t0))
+        if left <= 0:
+            return done
+        try:
+            problem, solved, chosen = solve_with(
+                done.steps, left, start=done.chosen, start_recompute=done.solved.recompute, diagnose=False
+            )
+        except (InfeasibleError, SolverTimeoutError):
+            return done
+        spent = dataclasses.replace(
+            done, build_s=done.build_s + solved.build_time, solve_s=done.solve_s + solved.solve_time
+        )
+        report, _ = self.estimate(chosen, _choice(solved.recompute))
+        if _over(report, request) or solved.objective_without_tie_break > done.solved.objective_without_tie_break:
+            return spent  # the polish moved the peak where no row bounds it, or found nothing better
+        return dataclasses.replace(spent, problem=problem, solved=solved, chosen=chosen)
 
     def _smallest_peak_error(
         self, e: InfeasibleError, request: Request, cost_model: CostModel, steps: dict[int, float]
@@ -296,9 +339,8 @@ class Planner:
             if report.peak_bytes <= solved.peak + 1.0:
                 break
             t = _base_step(sched, self.schedule, report.peak_at)
-            at = sched.step[self.schedule.order[t]]
             missed = report.peak_bytes - memory.linear_peak_bytes(
-                sched, at, chosen, self.params, self.mesh_shape, self.optimizer
+                sched, _step_named(sched, report.peak_at), chosen, self.params, self.mesh_shape, self.optimizer
             )
             if t in steps and missed <= steps[t]:
                 break
@@ -318,7 +360,7 @@ class Planner:
         Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
         one layer plus the nodes outside repeated layers, which are free to meet the group halfway.
         Recompute choices stay as the main solve made them. Under a peak cap the re-solve is bounded
-        in rounds like the main solve; returns whether its plan is within the cap, and its steps.
+        in rounds like the main solve. Returns the split clustering and the solve.
         """
         split = untie(clustering, group)
         tied = {i for c in self.clustering.classes for i in c} - set(group)
@@ -338,8 +380,7 @@ class Planner:
         def solve_with(steps):
             return self._solve(pinned, split, strategies, cost_model, steps, time_limit, start=chosen, diagnose=False)
 
-        solved, within, steps = self._solve_within_peak(request, solve_with, steps)
-        return split, solved, within, steps
+        return split, self._solve_within_peak(request, solve_with, steps)
 
     def plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
         """Solve for the cheapest plan under ``request``.
@@ -351,7 +392,8 @@ class Planner:
         tg = self.tg
         t0 = time.perf_counter()
         cost_model = CostModel(self.mesh, self.device_profile)
-        problem, solved, chosen, steps = self._main_solve(request, cost_model)
+        main = self._main_solve(request, cost_model)
+        problem, solved, chosen, steps = main.problem, main.solved, main.chosen, main.steps
         t1 = time.perf_counter()
         clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
         recomputed = solved.recompute
@@ -360,18 +402,15 @@ class Planner:
             if left is not None and left <= 0:
                 break
             try:
-                split, (_, step, step_chosen), within, step_steps = self._refine(
-                    request, clustering, group, chosen, recomputed, cost_model, steps, left
-                )
+                split, re = self._refine(request, clustering, group, chosen, recomputed, cost_model, steps, left)
             except (SolverTimeoutError, InfeasibleError):  # the group's own bounds may not meet a cap
                 break
-            gain = objective - step.objective_without_tie_break
+            gain = objective - re.solved.objective_without_tie_break
             # below 1e-9 it is the tie-break trading cost for fewer changes
-            kept = within and gain > 1e-9 * objective
-            refinements.append(_refinement(group, step, gain, kept))
+            kept = re.within and gain > 1e-9 * objective
+            refinements.append(_refinement(group, re.solved, gain, kept))
             if kept:
-                clustering, objective, chosen = split, step.objective_without_tie_break, step_chosen
-                steps = step_steps
+                clustering, objective, chosen, steps = split, re.solved.objective_without_tie_break, re.chosen, re.steps
         t2 = time.perf_counter()
         choice = _choice(recomputed)
         reps = self.clustering.rep
@@ -403,9 +442,9 @@ class Planner:
         log.info("solved (%s, gap %s): estimated step %.3f ms", status, gap, objective * 1e3)
         timings = {
             **trace_timings,
-            "costs": t1 - t0 - solved.build_time - solved.solve_time,
-            "ilp_build": solved.build_time,
-            "solve": solved.solve_time,
+            "costs": t1 - t0 - main.build_s - main.solve_s,
+            "ilp_build": main.build_s,
+            "solve": main.solve_s,
             "refine": t2 - t1,
             "plan": t3 - t2,
         }
@@ -464,10 +503,14 @@ def _over(report, request: Request) -> bool:
     return request.peak_budget is not None and report.peak_bytes > request.peak_budget * (1 + 1e-9)
 
 
+def _step_named(sched: memory.Schedule, name: str) -> int:
+    return next(i for i, k in enumerate(sched.order) if k.name == name)
+
+
 def _base_step(sched: memory.Schedule, base: memory.Schedule, name: str) -> int:
     """The base schedule's step of the entry named ``name`` in ``sched`` (a recomputed copy maps to
-    the backward op that triggers it: the next original entry)."""
-    t = next(i for i, k in enumerate(sched.order) if k.name == name)
+    the backward op that triggers it, whose row bounds the chain's peak: the next original entry)."""
+    t = _step_named(sched, name)
     while isinstance(sched.order[t], memory.Recomputed):
         t += 1
     return base.step[sched.order[t]]
