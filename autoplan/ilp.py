@@ -56,6 +56,10 @@ class UnitChoice:
     seeded: bool = False  # a fixed-option trial's plan, not yet polished by the full MIP
 
 
+class NoSeedError(Exception):
+    """No fixed-option trial met the rows of a ``solve_placement(seed_only=True)``."""
+
+
 @dataclass(frozen=True)
 class FixedRows:
     """A user constraint: for each (unit, allowed unit strategies) pair, one of them must be chosen."""
@@ -80,14 +84,16 @@ class RecomputeVar:
 
 @dataclass(frozen=True)
 class BudgetRow:
-    """``coeffs . x - sum s_i + sum a_i <= limit``: per recompute option i, ``s_i = frees(x) r_i`` and
-    ``a_i = keeps(x) r_i`` (big-M rows), so the bytes an option frees count only when it is chosen."""
+    """``coeffs . x + moves(x) - sum s_i + sum a_i <= limit``: per recompute option i,
+    ``s_i = frees(x) r_i`` and ``a_i = keeps(x) r_i`` (big-M rows), so the bytes an option frees
+    count only when it is chosen."""
 
     group: str
     coeffs: tuple[tuple[fx.Node, np.ndarray], ...]  # per unit: bytes per unit strategy
     limit: float
     recompute: tuple[tuple[int, Linear, Linear], ...] = ()  # (option index, bytes freed, bytes kept)
     cap: float | None = None  # a peak row's cap (``limit`` = cap - bytes the row misses)
+    moves: Linear | None = None  # bytes of the copies the step's op makes of its moved inputs
 
 
 def undominated(
@@ -105,8 +111,9 @@ def undominated(
     for budget in budgets:
         for u, c in budget.coeffs:
             signature[u].append(c)
-        for _, frees, keeps in budget.recompute:
-            for u, c in [*frees.units.items(), *keeps.units.items()]:
+        moves = [budget.moves] if budget.moves is not None else []
+        for lin in [*moves, *(side for _, frees, keeps in budget.recompute for side in (frees, keeps))]:
+            for u, c in lin.units.items():
                 signature[u].append(c)
     for option in options:
         for u, c in option.seconds.units.items():
@@ -258,11 +265,13 @@ def solve_placement(
     diagnose: bool = True,
     start_recompute: tuple[str, ...] = (),
     polish_s: float = POLISH_S,
+    seed_only: bool = False,
 ) -> UnitChoice:
     """The cheapest strategy per unit and recompute options; ``start`` (a strategy per unit, e.g. an
     earlier plan's, with the options ``start_recompute`` on) seeds the search. Without a start and
     with free options, a fixed-option trial's plan (``_seed``) is the start, and the full MIP gets
-    at most ``polish_s`` to improve on it (0: the trial's plan is returned as it is). With
+    at most ``polish_s`` to improve on it (0: the trial's plan is returned as it is); when no trial
+    finds a plan, the full MIP searches, or with ``seed_only`` ``NoSeedError`` is raised. With
     ``smallest_peak`` the peak rows' caps give way to one variable ``P`` the solve minimises
     instead (step time only breaks ties): the least peak any plan reaches, in ``UnitChoice.peak``."""
     weight = 1e-9 if smallest_peak else 1.0
@@ -270,12 +279,14 @@ def solve_placement(
     seeded = None
     if start is None and not smallest_peak and any(not o.pinned for o in options):
         seeded = _seed(problem, fixed, budgets, time_limit, backend, mip_rel_gap, list(options))
+        if seeded is None and seed_only:
+            raise NoSeedError()
         if time_limit is not None:
             time_limit = time_limit - (time.perf_counter() - t0)
         if seeded is not None:
             time_limit = polish_s if time_limit is None else min(time_limit, polish_s)
-            if time_limit <= 0:
-                return seeded
+            if time_limit <= 0:  # every trial's seconds count as the solve's
+                return dataclasses.replace(seeded, solve_time=time.perf_counter() - t0 - seeded.build_time)
             start = {u: problem.strategies[u][i] for u, i in seeded.choice.items()}
             start_recompute = seeded.recompute
     t_seed = time.perf_counter()
@@ -299,6 +310,9 @@ def solve_placement(
         )
     for budget in budgets:
         extra_cols, extra_vals = _recompute_bytes(b, budget, r, terms)
+        if budget.moves is not None:
+            moved_cols, moved_vals, _, _ = terms(budget.moves)
+            extra_cols, extra_vals = [*extra_cols, *moved_cols], [*extra_vals, *(moved_vals * MIB)]
         cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u, _ in budget.coeffs] + [extra_cols])
         vals = np.concatenate([c[kept[u]] * MIB for u, c in budget.coeffs] + [extra_vals])
         limit = budget.limit * MIB

@@ -19,6 +19,7 @@ node's output under its chosen placement, which is linear in the placement choic
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -296,21 +297,44 @@ def row_bytes(
     return b * (1 + optimizer.bytes_per_param_byte(n.meta["val"].dtype)) if n in params else b
 
 
+def moves_at(sched: Schedule, step: int) -> list[fx.Node]:
+    """The ops whose moved inputs' copies are alive at ``step``, as an ILP row there counts them:
+    the op run at ``step`` (an original op: a recomputed copy's are not in the base schedule's
+    rows), and the views alive then whose input is read in another placement (the view owns the
+    moved copy until its last reader, see ``estimate``)."""
+    k = sched.order[step]
+    ops = [k] if isinstance(k, fx.Node) and k.op == "call_function" and not _is_view(k) else []
+    views = {
+        node_of(v)
+        for v, owner in sched.owner.items()
+        if owner is not v and sched.step[v] <= step <= sched.last_use[v] and node_of(v).op == "call_function"
+    }
+    return ops + sorted(views - set(ops), key=lambda n: sched.step[n] if n in sched.step else -1)
+
+
+def moved_copy_bytes(mesh_shape) -> Callable[[Placements, Placements, object], float]:
+    """Bytes of the copy a move from one placement to another makes (none when they are equal)."""
+    return lambda made, read, meta: 0.0 if made == read else float(local_bytes(meta, read, mesh_shape))
+
+
 def linear_peak_bytes(
     sched: Schedule, step: int, chosen: dict[fx.Node, Strategy], params: set[fx.Node], mesh_shape, optimizer
 ) -> int:
-    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (no moved copies)."""
+    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts."""
     alive = [node_of(k) for k in live_storages(sched, step)]
-    return int(sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen))
+    stored = sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen)
+    moved = sum(_moved_inputs(op, chosen, mesh_shape) for op in moves_at(sched, step) if op in chosen)
+    return int(stored + moved)
 
 
 def recompute_changes(
-    base: Schedule, rc: Schedule, rc_live: np.ndarray, step: int
+    base: Schedule, rc: Schedule, rc_live: np.ndarray, step: int, copy: Recomputed | None = None
 ) -> tuple[set[fx.Node], set[fx.Node]]:
     """At the base schedule's ``step``: the storages recomputing frees (saved values no longer
     alive) and those it keeps alive in addition (inputs of recomputed ops saved in their place,
-    and the recomputed copies alive at the peak of the chain the step triggers). ``rc_live`` is
-    ``live_profile(rc)``."""
+    and the recomputed copies alive at ``copy``'s run where ``rc`` recomputes it, else at the peak
+    of the chain the step triggers). ``rc_live`` is ``live_profile(rc)``."""
     before = set(live_storages(base, step))
-    after = {node_of(k) for k in live_storages(rc, chain_peak(rc, rc.step[base.order[step]], rc_live))}
+    at = rc.step[copy] if copy in rc.step else chain_peak(rc, rc.step[base.order[step]], rc_live)
+    after = {node_of(k) for k in live_storages(rc, at)}
     return before - after, after - before

@@ -26,19 +26,29 @@ from autoplan.clustering import Clustering, untie
 from autoplan.costs import CostModel, DeviceProfile, local_bytes
 from autoplan.errors import ConstraintError, InfeasiblePlanError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
-from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, RecomputeVar, UnitChoice, solve_placement
+from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
 from autoplan.plan import Plan
-from autoplan.problem import Linear, PlacementProblem, allowed_strategies, build_problem, forward_costs
+from autoplan.problem import (
+    Linear,
+    PlacementProblem,
+    allowed_strategies,
+    build_problem,
+    forward_costs,
+    input_moves,
+)
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
 from solvers import InfeasibleError, SolverTimeoutError
 
 log = logging.getLogger(__name__)
+# where a peak row bounds the live bytes: a base schedule step, or the recomputed copy (run right
+# before that step, which triggers its chain) at whose run the row measures what recomputing keeps
+Point = tuple[int, "memory.Recomputed | None"]
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
 _PEAK_GAP = 1e-2  # relative MIP gap of solves under a peak cap
 NO_RECOMPUTE = "none"
 _PEAK_GROUP = "memory constraint: estimated peak"
-_SMALLEST_PEAK_S = 5.0  # time for finding the least peak an infeasible cap's error reports
+_SMALLEST_PEAK_S = 60.0  # time for finding the least peak an infeasible cap's error reports
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class _Solved:
     solved: UnitChoice
     chosen: dict[fx.Node, Strategy]
     within: bool
-    steps: dict[int, float]
+    steps: dict[Point, float]
     build_s: float
     solve_s: float
 
@@ -88,7 +98,7 @@ class Planner:
             (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
         }
         self._option_schedules: dict[str, tuple[memory.Schedule, np.ndarray]] = {}
-        self._changes: dict[tuple[int, str], dict[str, tuple[list, list]]] = {}
+        self._changes: dict[tuple, dict[str, tuple[list, list]]] = {}
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -153,40 +163,54 @@ class Planner:
                 return recompute.layer_of(u)
         return ""
 
-    def _changes_at(self, step: int, option: str) -> dict[str, tuple[list, list]]:
-        """Per layer, the storages its ``option`` frees and keeps alive at ``step``, in schedule order
-        (they depend on the trace alone: computed once for every solve, round and re-solve)."""
-        if (step, option) not in self._changes:
-            frees, keeps = memory.recompute_changes(self.schedule, *self._option_schedule(option), step)
+    def _changes_at(self, step: int, option: str, copy: memory.Recomputed | None) -> dict[str, tuple[list, list]]:
+        """Per layer, the storages its ``option`` frees and keeps alive at ``step`` (at ``copy``'s
+        run, where the option recomputes it), in schedule order (they depend on the trace alone:
+        computed once for every solve, round and re-solve)."""
+        if (step, option, copy) not in self._changes:
+            frees, keeps = memory.recompute_changes(self.schedule, *self._option_schedule(option), step, copy)
             by_layer: dict[str, tuple[list, list]] = {}
             for side, nodes in enumerate((frees, keeps)):
                 for n in sorted(nodes, key=self.schedule.step.__getitem__):
                     by_layer.setdefault(self._layer_of(n, option), ([], []))[side].append(n)
-            self._changes[(step, option)] = dict(sorted(by_layer.items()))
-        return self._changes[(step, option)]
+            self._changes[(step, option, copy)] = dict(sorted(by_layer.items()))
+        return self._changes[(step, option, copy)]
+
+    def _point(self, sched: memory.Schedule, name: str) -> tuple[Point, int]:
+        """Where a row bounds the peak a plan's schedule ``sched`` reaches at its entry ``name``,
+        and that entry's step in ``sched``: a recomputed copy's point is the backward op that
+        triggers its chain (the next original entry), at the copy."""
+        at = next(i for i, k in enumerate(sched.order) if k.name == name)
+        t = at
+        while isinstance(sched.order[t], memory.Recomputed):
+            t += 1
+        copy = sched.order[at] if isinstance(sched.order[at], memory.Recomputed) else None
+        return (self.schedule.step[sched.order[t]], copy), at
 
     def _peak_rows(
-        self, problem: PlacementProblem, request: Request, steps: dict[int, float], options: list[RecomputeVar]
+        self, problem: PlacementProblem, request: Request, steps: dict[Point, float], options: list[RecomputeVar]
     ) -> list[BudgetRow]:
         """The estimated peak at each bounded step, linear in the placements and recompute choices."""
         if request.peak_budget is None:
             return []
         index = {o.name: i for i, o in enumerate(options)}
         rows = []
-        for step, missed in sorted(steps.items()):
+        for (step, copy), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]))):
             alive = [memory.node_of(k) for k in memory.live_storages(self.schedule, step)]
             terms = []
             for option in recompute.OPTIONS:
                 if not any(_option_name(layer, option) in index for layer in self.layers):
                     continue
-                for layer, (f, k) in self._changes_at(step, option).items():
+                for layer, (f, k) in self._changes_at(step, option, copy).items():
                     if (i := index.get(_option_name(layer, option))) is not None:
                         terms.append((i, self._bytes(problem, f), self._bytes(problem, k)))
             coeffs = tuple(self._bytes(problem, alive).units.items())
+            moves = input_moves(problem, memory.moves_at(self.schedule, step), memory.moved_copy_bytes(self.mesh_shape))
             group = f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
-            name = self.schedule.order[step].name
+            name = copy.name if copy is not None else self.schedule.order[step].name
             limit = request.peak_budget - missed
-            rows.append(BudgetRow(f"{group} (at {name})", coeffs, limit, tuple(terms), request.peak_budget))
+            row = BudgetRow(f"{group} (at {name})", coeffs, limit, tuple(terms), request.peak_budget, moves)
+            rows.append(row)
         return rows
 
     def _param_row(self, problem: PlacementProblem, budget: float) -> BudgetRow:
@@ -210,13 +234,14 @@ class Planner:
         clustering: Clustering,
         strategies: dict[fx.Node, NodeStrategies],
         cost_model: CostModel,
-        steps: dict[int, float],
+        steps: dict[Point, float],
         time_limit: float | None,
         start: dict[fx.Node, Strategy] | None = None,
         smallest_peak: bool = False,
         diagnose: bool = True,
         start_recompute: tuple[str, ...] = (),
         polish_s: float = POLISH_S,
+        seed_only: bool = False,
     ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
         """Build and solve the ILP for one clustering; returns the solve and every node's strategy
         (``diagnose``: name the conflicting constraints of an infeasible one; ``polish_s``: see
@@ -241,6 +266,7 @@ class Planner:
             diagnose=diagnose,
             start_recompute=start_recompute,
             polish_s=polish_s,
+            seed_only=seed_only,
         )
         return problem, solved, expand_choice(self.tg, problem, solved.choice)
 
@@ -252,7 +278,7 @@ class Planner:
         sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.schedule
         return memory.estimate(self.tg, chosen, self.mesh_shape, self.optimizer, sched), sched
 
-    def _solve_within_peak(self, request: Request, solve_with, steps: dict[int, float]) -> _Solved:
+    def _solve_within_peak(self, request: Request, solve_with, steps: dict[Point, float]) -> _Solved:
         """``solve_with(steps)`` with the peak bounded at ``steps``; where the plan's estimated peak
         still exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound
         that step too, less what its row misses (or, where it is bounded already, less the
@@ -266,10 +292,8 @@ class Planner:
             report, sched = self.estimate(chosen, _choice(solved.recompute))
             if not _over(report, request):
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            t = _base_step(sched, self.schedule, report.peak_at)
-            linear = memory.linear_peak_bytes(
-                sched, _step_named(sched, report.peak_at), chosen, self.params, self.mesh_shape, self.optimizer
-            )
+            t, at = self._point(sched, report.peak_at)
+            linear = memory.linear_peak_bytes(sched, at, chosen, self.params, self.mesh_shape, self.optimizer)
             missed = max(steps.get(t, 0.0), report.peak_bytes - linear)
             if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
                 missed = steps[t] + report.peak_bytes - request.peak_budget
@@ -283,7 +307,7 @@ class Planner:
         it is (``polish_s=0``), and only the last round's plan, once within the cap, is polished by
         the full MIP: the polish is the slow part, and an earlier round's is thrown away."""
         capped = request.peak_budget is not None
-        steps = {t: 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
+        steps = {(t, None): 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
         t0 = time.perf_counter()
 
         def solve_with(steps, time_limit=self.time_limit, **kw):
@@ -294,7 +318,20 @@ class Planner:
                     raise self._smallest_peak_error(e, request, cost_model, steps) from e
                 raise
 
-        done = self._solve_within_peak(request, lambda s: solve_with(s, polish_s=0.0), steps)
+        def round_solve(steps):
+            """A round takes the trials' plan as it is. When no trial finds one, the least peak of
+            each option on every layer says whether the cap can be met at all, far sooner than the
+            full MIP proves that it cannot."""
+            try:
+                return solve_with(steps, polish_s=0.0, seed_only=True)
+            except NoSeedError:
+                least = self._least_peak(request, cost_model, steps)
+                if least is not None and least > request.peak_budget:
+                    group = f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
+                    raise _cap_error((group,), f"No plan meets the {group}.", least) from None
+                return solve_with(steps, polish_s=0.0)
+
+        done = self._solve_within_peak(request, round_solve, steps)
         if not (done.solved.seeded and done.within):
             return done
         left = POLISH_S if self.time_limit is None else min(POLISH_S, self.time_limit - (time.perf_counter() - t0))
@@ -315,13 +352,37 @@ class Planner:
         return dataclasses.replace(spent, problem=problem, solved=solved, chosen=chosen)
 
     def _smallest_peak_error(
-        self, e: InfeasibleError, request: Request, cost_model: CostModel, steps: dict[int, float]
+        self, e: InfeasibleError, request: Request, cost_model: CostModel, steps: dict[Point, float]
     ) -> InfeasibleError:
         """The infeasibility of a peak cap, with the least estimated peak a plan reaches under the
-        other constraints: minimise the bounded rows, bounding more steps the same way as under a
-        cap until the plan's estimate is what the rows say."""
-        steps, deadline = dict(steps), time.perf_counter() + _SMALLEST_PEAK_S
+        other constraints (``e`` as it is when they conflict on their own)."""
+        try:
+            least = self._least_peak(request, cost_model, steps)
+        except InfeasibleError:
+            return e
+        return e if least is None else _cap_error(e.groups, str(e), least)
+
+    def _least_peak(self, request: Request, cost_model: CostModel, steps: dict[Point, float]) -> int | None:
+        """The least estimated peak of the plans found within ``_SMALLEST_PEAK_S``. Each recompute
+        option on every layer (and none), as the user's pins allow, is tried on its own: with the
+        options fixed, minimising the peak is a placement ILP solved in seconds, where the free
+        options' MIP is not. Raises ``InfeasibleError`` when the other constraints conflict."""
+        deadline = time.perf_counter() + _SMALLEST_PEAK_S
         least = None
+        for option in (NO_RECOMPUTE, *recompute.OPTIONS) if self.layers else (NO_RECOMPUTE,):
+            pins = {**dict.fromkeys(self.layers, option), **request.recompute}
+            peak = self._smallest_peak(dataclasses.replace(request, recompute=pins), cost_model, steps, deadline)
+            if peak is not None:
+                least = peak if least is None else min(least, peak)
+        return least
+
+    def _smallest_peak(
+        self, request: Request, cost_model: CostModel, steps: dict[Point, float], deadline: float
+    ) -> int | None:
+        """The least estimated peak of a plan under ``request`` (its cap aside) found by
+        ``deadline``: minimise the bounded rows, bounding more steps the same way as under a cap
+        until the plan's estimate is what the rows say."""
+        steps, least = dict(steps), None
         for _ in range(_PEAK_ROUNDS):
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -330,29 +391,20 @@ class Planner:
                 _, solved, chosen = self._solve(
                     request, self.clustering, self.strategies, cost_model, steps, left, smallest_peak=True
                 )
-            except InfeasibleError:
-                return e  # the other constraints conflict on their own
             except SolverTimeoutError:
                 break
             report, sched = self.estimate(chosen, _choice(solved.recompute))
             least = report.peak_bytes if least is None else min(least, report.peak_bytes)
             if report.peak_bytes <= solved.peak + 1.0:
                 break
-            t = _base_step(sched, self.schedule, report.peak_at)
+            t, at = self._point(sched, report.peak_at)
             missed = report.peak_bytes - memory.linear_peak_bytes(
-                sched, _step_named(sched, report.peak_at), chosen, self.params, self.mesh_shape, self.optimizer
+                sched, at, chosen, self.params, self.mesh_shape, self.optimizer
             )
             if t in steps and missed <= steps[t]:
                 break
             steps[t] = missed
-        if least is None:
-            return e
-        message = (
-            f"{e}\nThe smallest estimated peak a plan reaches is {least / 2**30:.3f} GiB per device"
-            f" ({least} bytes; searched for at most {_SMALLEST_PEAK_S:.0f} s): raise bytes_per_device to at"
-            " least that, or relax the other constraints"
-        )
-        return InfeasiblePlanError(e.groups, message, least)
+        return least
 
     def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit):
         """Solve again with the layers of ``group`` deciding on their own.
@@ -495,6 +547,15 @@ def _choice(names: tuple[str, ...]) -> dict[str, str]:
     return dict(name.split(": ", 1) for name in names)
 
 
+def _cap_error(groups: tuple[str, ...], why: str, least: int) -> InfeasiblePlanError:
+    message = (
+        f"{why}\nThe smallest estimated peak a plan reaches is {least / 2**30:.3f} GiB per device"
+        f" ({least} bytes; searched for at most {_SMALLEST_PEAK_S:.0f} s): raise bytes_per_device to at"
+        " least that, or relax the other constraints"
+    )
+    return InfeasiblePlanError(groups, message, least)
+
+
 def _layer_key(layer: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in layer.split("."))
 
@@ -503,17 +564,8 @@ def _over(report, request: Request) -> bool:
     return request.peak_budget is not None and report.peak_bytes > request.peak_budget * (1 + 1e-9)
 
 
-def _step_named(sched: memory.Schedule, name: str) -> int:
-    return next(i for i, k in enumerate(sched.order) if k.name == name)
-
-
-def _base_step(sched: memory.Schedule, base: memory.Schedule, name: str) -> int:
-    """The base schedule's step of the entry named ``name`` in ``sched`` (a recomputed copy maps to
-    the backward op that triggers it, whose row bounds the chain's peak: the next original entry)."""
-    t = _step_named(sched, name)
-    while isinstance(sched.order[t], memory.Recomputed):
-        t += 1
-    return base.step[sched.order[t]]
+def _name(copy: memory.Recomputed | None) -> str:
+    return "" if copy is None else copy.name
 
 
 def _rerun_seconds(ev, rerun: frozenset[fx.Node], tg: TracedGraph) -> float:

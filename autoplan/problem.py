@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,13 +118,18 @@ class _Edge:
         return cost.reshape(-1)[self.index]
 
 
-def _edge(strats, root, cost_model: CostModel, ur: fx.Node, k: int, cr: fx.Node, slot) -> _Edge:
+Price = Callable[[Placements, Placements, object], float]  # (made in, read in, tensor meta) -> value
+
+
+def _edge(strats, root, price: Price, ur: fx.Node, k: int, cr: fx.Node, slot) -> _Edge:
+    """The edge from ``ur``'s output ``k`` to ``cr``'s input ``slot``, each placement pair priced
+    by ``price`` (a redistribution's seconds, or the bytes of the moved copy)."""
     meta = tensor_meta(output_vals(ur)[k])
     src_unit, src_map = root[ur]
     dst_unit, dst_map = root[cr]
     srcs, src_label = _labels([strats[ur][i].outputs[k] for i in src_map])
     dsts, dst_label = _labels([_slot_placement(strats[cr][i], slot) for i in dst_map])
-    cost = np.array([[cost_model.redistribute_cost(o, q, meta) for q in dsts] for o in srcs])
+    cost = np.array([[price(o, q, meta) for q in dsts] for o in srcs])
     parts = (src_unit, dst_unit, srcs, dsts, src_label, dst_label, cost)
     if src_unit is dst_unit:
         return _Edge(*parts, src_unit, src_label * len(dsts) + dst_label, None)
@@ -163,12 +169,30 @@ def _forward_cost(problem, cost_model, nodes, resident, compute: dict, edges: di
                 continue
             key = (rep[u], k, rep[n], j)
             if key not in edges:
-                edges[key] = _edge(problem.strategies, problem.root, cost_model, *key)
-            edge = edges[key]
-            if edge.key is None:
-                out.add_unit(edge.unit, edge.per_strategy(edge.cost))
-            else:
-                out.add_edge(problem.group_index[edge.key], edge.cost)
+                edges[key] = _edge(problem.strategies, problem.root, cost_model.redistribute_cost, *key)
+            _add_edge(out, problem, edges[key])
+    return out
+
+
+def _add_edge(out: Linear, problem: PlacementProblem, edge: _Edge) -> None:
+    """``edge``'s values as a term of ``out``: on a unit where one side has no choice, else on its group."""
+    if edge.key is None:
+        out.add_unit(edge.unit, edge.per_strategy(edge.cost))
+    else:
+        out.add_edge(problem.group_index[edge.key], edge.cost)
+
+
+def input_moves(problem: PlacementProblem, nodes: Iterable[fx.Node], price: Price) -> Linear:
+    """``price`` of each tensor input of ``nodes`` over the placement it is made in and the one its
+    reader reads it in, as a function of the choice (e.g. the bytes of the copies a move makes)."""
+    rep, out = problem.clustering.rep, Linear()
+    for n in nodes:
+        if rep.get(n) not in problem.root:
+            continue
+        for j, a in enumerate(tensor_inputs(n)):
+            u, k = value_of(a)
+            if rep.get(u) in problem.root and isinstance(output_vals(u)[k], torch.Tensor):
+                _add_edge(out, problem, _edge(problem.strategies, problem.root, price, rep[u], k, rep[n], j))
     return out
 
 
@@ -329,7 +353,7 @@ def build_problem(
 
     groups: dict[tuple, EdgeGroup] = {}
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
-        edge = _edge(strats, root, cost_model, ur, k, cr, slot)
+        edge = _edge(strats, root, cost_model.redistribute_cost, ur, k, cr, slot)
         cost = edge.cost * mult
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)
