@@ -99,6 +99,12 @@ class Planner:
         }
         self._option_schedules: dict[str, tuple[memory.Schedule, np.ndarray]] = {}
         self._changes: dict[tuple, dict[str, tuple[list, list]]] = {}
+        self._tied_members: dict[fx.Node, list[fx.Node]] = {}  # representative -> its nodes
+        self._twin: dict[tuple[fx.Node, str], fx.Node] = {}  # (representative, layer) -> its node there
+        for n, r in self.clustering.rep.items():
+            if self.clustering.instance.get(n):
+                self._tied_members.setdefault(r, []).append(n)
+                self._twin[(r, self.clustering.instance[n])] = n
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -186,6 +192,26 @@ class Planner:
             t += 1
         copy = sched.order[at] if isinstance(sched.order[at], memory.Recomputed) else None
         return (self.schedule.step[sched.order[t]], copy), at
+
+    def _analogues(self, point: Point) -> list[Point]:
+        """The same point in every other layer tied to its layer: a peak found in one of identical
+        layers is bounded in all of them at once, not one round per layer."""
+        t, copy = point
+        op, layer = self.schedule.order[t], self.clustering.instance.get(self.schedule.order[t], "")
+        if not layer:
+            return []
+        out = []
+        for other in self._tied_members.get(self.clustering.rep[op], ()):
+            where = self.clustering.instance[other]
+            if other is op or where == layer or other not in self.schedule.step:
+                continue
+            twin = None
+            if copy is not None:
+                twin = self._twin.get((self.clustering.rep[copy.node], where))
+                if twin is None:
+                    continue
+            out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin)))
+        return out
 
     def _peak_rows(
         self, problem: PlacementProblem, request: Request, steps: dict[Point, float], options: list[RecomputeVar]
@@ -298,6 +324,8 @@ class Planner:
             if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
                 missed = steps[t] + report.peak_bytes - request.peak_budget
             steps[t] = missed
+            for a in self._analogues(t):
+                steps.setdefault(a, 0.0)
         return _Solved(problem, solved, chosen, False, steps, build_s, solve_s)
 
     def _main_solve(self, request: Request, cost_model: CostModel) -> _Solved:
@@ -404,6 +432,8 @@ class Planner:
             if t in steps and missed <= steps[t]:
                 break
             steps[t] = missed
+            for a in self._analogues(t):
+                steps.setdefault(a, 0.0)
         return least
 
     def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit):
@@ -549,11 +579,15 @@ def _choice(names: tuple[str, ...]) -> dict[str, str]:
 
 def _cap_error(groups: tuple[str, ...], why: str, least: int) -> InfeasiblePlanError:
     message = (
-        f"{why}\nThe smallest estimated peak a plan reaches is {least / 2**30:.3f} GiB per device"
+        f"{why}\nThe smallest estimated peak a plan reaches is {_size(least)} per device"
         f" ({least} bytes; searched for at most {_SMALLEST_PEAK_S:.0f} s): raise bytes_per_device to at"
         " least that, or relax the other constraints"
     )
     return InfeasiblePlanError(groups, message, least)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.3f} MiB"
 
 
 def _layer_key(layer: str) -> tuple:

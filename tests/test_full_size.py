@@ -37,3 +37,32 @@ def test_llama3_8b_lowering_matches_the_plan():
     assert passes["gather_chains_fused"] > 0 and passes["recompute_chains_tagged"] > 0
     assert passes["reduce_scatter_after_passes"] == planned["reduce_scatter"]
     assert passes["all_reduce_after_passes"] == planned["all_reduce"]
+
+
+def test_llama3_8b_peak_caps_down_to_an_impossible_one():
+    """LLaMA-3 8B on 16x8 at seq 8192 (global batch 32, parameters sharded over all 128 ranks) under
+    tightening peak caps (~4 min on 2 cores): each plan's estimate is within its cap, recompute
+    grows as the cap tightens and buys the memory with step time, and a cap below any plan's peak
+    raises an error naming the least peak found, at which a plan is found."""
+    import warnings
+
+    from autoplan.bench import _planned
+    from autoplan.errors import InfeasiblePlanError
+
+    ap, free, *_ = _planned(args(seq=8192, batch=32))
+    plans = [free]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "exceeds bytes_per_device" warning
+        for cap_gib in (80, 40, 20, 12):
+            ap.add_memory_constraint(bytes_per_device=cap_gib * 2**30)
+            plan = ap.optimize_placement()
+            assert plan.memory.peak_bytes <= cap_gib * 2**30
+            plans.append(plan)
+    recomputed = [len(p.recompute) for p in plans]
+    assert recomputed == sorted(recomputed) and recomputed[0] == 0 and recomputed[-1] > 0
+    assert plans[-1].cost.total > free.cost.total
+    ap.add_memory_constraint(bytes_per_device=4 * 2**30)
+    with pytest.raises(InfeasiblePlanError, match="smallest estimated peak") as info:
+        ap.optimize_placement()
+    least = info.value.smallest_peak_bytes
+    assert 4 * 2**30 < least < plans[-1].memory.peak_bytes
