@@ -92,7 +92,9 @@ def test_unreachable_peak_cap_names_the_memory_constraint_and_the_smallest_peak(
     with pytest.raises(InfeasiblePlanError, match="estimated peak bytes per device <= 1024") as info:
         ap.optimize_placement()
     least = info.value.smallest_peak_bytes
-    assert isinstance(info.value, InfeasibleError) and f"{least / 2**20:.3f} MiB ({least} bytes" in str(info.value)
+    assert isinstance(info.value, InfeasibleError) and f"{least / 2**20:.3f} MiB per device ({least} bytes" in str(
+        info.value
+    )
     ap.add_memory_constraint(bytes_per_device=least)
     assert ap.optimize_placement().memory.peak_bytes <= least
     ap.add_memory_constraint(bytes_per_device=0.97 * least)
