@@ -309,7 +309,7 @@ def moves_at(sched: Schedule, step: int) -> list[fx.Node]:
         for v, owner in sched.owner.items()
         if owner is not v and sched.step[v] <= step <= sched.last_use[v] and node_of(v).op == "call_function"
     }
-    return ops + sorted(views - set(ops), key=lambda n: sched.step[n] if n in sched.step else -1)
+    return ops + sorted(views, key=sched.step.__getitem__)
 
 
 def moved_copy_bytes(mesh_shape) -> Callable[[Placements, Placements, object], float]:

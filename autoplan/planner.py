@@ -99,12 +99,8 @@ class Planner:
         }
         self._option_schedules: dict[str, tuple[memory.Schedule, np.ndarray]] = {}
         self._changes: dict[tuple, dict[str, tuple[list, list]]] = {}
-        self._tied_members: dict[fx.Node, list[fx.Node]] = {}  # representative -> its nodes
-        self._twin: dict[tuple[fx.Node, str], fx.Node] = {}  # (representative, layer) -> its node there
-        for n, r in self.clustering.rep.items():
-            if self.clustering.instance.get(n):
-                self._tied_members.setdefault(r, []).append(n)
-                self._twin[(r, self.clustering.instance[n])] = n
+        where = self.clustering.instance
+        self._twin = {(r, where[n]): n for n, r in self.clustering.rep.items() if where.get(n)}  # (rep, layer) -> node
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -193,23 +189,31 @@ class Planner:
         copy = sched.order[at] if isinstance(sched.order[at], memory.Recomputed) else None
         return (self.schedule.step[sched.order[t]], copy), at
 
+    def _missed(self, sched: memory.Schedule, report, chosen: dict[fx.Node, Strategy]) -> tuple[Point, float]:
+        """Where a row bounds the plan's estimated peak, and the bytes of it that row does not count."""
+        t, at = self._point(sched, report.peak_at)
+        linear = memory.linear_peak_bytes(sched, at, chosen, self.params, self.mesh_shape, self.optimizer)
+        return t, report.peak_bytes - linear
+
+    def _bound(self, steps: dict[Point, float], point: Point, missed: float) -> None:
+        """Bound the peak at ``point`` less ``missed``, and at its analogues in identical layers."""
+        steps[point] = missed
+        for a in self._analogues(point):
+            steps.setdefault(a, 0.0)
+
     def _analogues(self, point: Point) -> list[Point]:
         """The same point in every other layer tied to its layer: a peak found in one of identical
         layers is bounded in all of them at once, not one round per layer."""
         t, copy = point
-        op, layer = self.schedule.order[t], self.clustering.instance.get(self.schedule.order[t], "")
-        if not layer:
-            return []
+        op = self.schedule.order[t]
+        layer = self.clustering.instance.get(op, "")
+        tied = next((c for c in self.clustering.classes if layer in c), ())
         out = []
-        for other in self._tied_members.get(self.clustering.rep[op], ()):
-            where = self.clustering.instance[other]
-            if other is op or where == layer or other not in self.schedule.step:
+        for where in tied:
+            other = self._twin.get((self.clustering.rep[op], where))
+            twin = self._twin.get((self.clustering.rep[copy.node], where)) if copy is not None else None
+            if where == layer or other not in self.schedule.step or (copy is not None and twin is None):
                 continue
-            twin = None
-            if copy is not None:
-                twin = self._twin.get((self.clustering.rep[copy.node], where))
-                if twin is None:
-                    continue
             out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin)))
         return out
 
@@ -232,7 +236,7 @@ class Planner:
                         terms.append((i, self._bytes(problem, f), self._bytes(problem, k)))
             coeffs = tuple(self._bytes(problem, alive).units.items())
             moves = input_moves(problem, memory.moves_at(self.schedule, step), memory.moved_copy_bytes(self.mesh_shape))
-            group = f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
+            group = _peak_group(request)
             name = copy.name if copy is not None else self.schedule.order[step].name
             limit = request.peak_budget - missed
             row = BudgetRow(f"{group} (at {name})", coeffs, limit, tuple(terms), request.peak_budget, moves)
@@ -318,14 +322,11 @@ class Planner:
             report, sched = self.estimate(chosen, _choice(solved.recompute))
             if not _over(report, request):
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            t, at = self._point(sched, report.peak_at)
-            linear = memory.linear_peak_bytes(sched, at, chosen, self.params, self.mesh_shape, self.optimizer)
-            missed = max(steps.get(t, 0.0), report.peak_bytes - linear)
+            t, missed = self._missed(sched, report, chosen)
+            missed = max(steps.get(t, 0.0), missed)
             if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
                 missed = steps[t] + report.peak_bytes - request.peak_budget
-            steps[t] = missed
-            for a in self._analogues(t):
-                steps.setdefault(a, 0.0)
+            self._bound(steps, t, missed)
         return _Solved(problem, solved, chosen, False, steps, build_s, solve_s)
 
     def _main_solve(self, request: Request, cost_model: CostModel) -> _Solved:
@@ -355,7 +356,7 @@ class Planner:
             except NoSeedError:
                 least = self._least_peak(request, cost_model, steps)
                 if least is not None and least > request.peak_budget:
-                    group = f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
+                    group = _peak_group(request)
                     raise _cap_error((group,), f"No plan meets the {group}.", least) from None
                 return solve_with(steps, polish_s=0.0)
 
@@ -425,15 +426,10 @@ class Planner:
             least = report.peak_bytes if least is None else min(least, report.peak_bytes)
             if report.peak_bytes <= solved.peak + 1.0:
                 break
-            t, at = self._point(sched, report.peak_at)
-            missed = report.peak_bytes - memory.linear_peak_bytes(
-                sched, at, chosen, self.params, self.mesh_shape, self.optimizer
-            )
+            t, missed = self._missed(sched, report, chosen)
             if t in steps and missed <= steps[t]:
                 break
-            steps[t] = missed
-            for a in self._analogues(t):
-                steps.setdefault(a, 0.0)
+            self._bound(steps, t, missed)
         return least
 
     def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit):
@@ -575,6 +571,10 @@ def _option_name(layer: str, option: str) -> str:
 def _choice(names: tuple[str, ...]) -> dict[str, str]:
     """Recompute option names ("layers.3: full") as layer -> option."""
     return dict(name.split(": ", 1) for name in names)
+
+
+def _peak_group(request: Request) -> str:
+    return f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
 
 
 def _cap_error(groups: tuple[str, ...], why: str, least: int) -> InfeasiblePlanError:
