@@ -193,6 +193,7 @@ class Transfer:
     kind: TransferKind
     mesh_dim: int
     nbytes: int  # collectives: the full logical tensor at this step; local/relayout: the bytes each rank copies
+    made: int = 0  # local bytes of the buffer it writes on each rank (its input dies once it is made)
 
 
 def _leading_block(shape: Sequence[int], dim: int) -> bool:
@@ -259,6 +260,25 @@ def step_kinds(src: Placement, dst: Placement) -> tuple[TransferKind, ...] | Non
     if isinstance(src, Replicate) and (dst_dim is not None or isinstance(dst, Partial)):
         return ("local",)
     return None
+
+
+def _made_bytes(kind: TransferKind, size: int, n: int, after: int) -> int:
+    """Local bytes a primitive writes, from the ``size`` it reads over ``n`` ranks (``after``: the
+    step's local result, what a ``local`` step leaves)."""
+    if kind == "all_gather":
+        return size * n
+    if kind == "reduce_scatter":
+        return size // n
+    return after if kind == "local" else size
+
+
+def peak_buffer_bytes(transfers: Sequence[Transfer]) -> int:
+    """The most bytes a redistribution's own buffers hold at once: each primitive's output is made
+    while its input (the previous output; the source is not the move's) is still alive."""
+    peak = previous = 0
+    for t in transfers:
+        peak, previous = max(peak, previous + t.made), t.made
+    return peak
 
 
 def mixed_partials(placements: Placements) -> bool:
@@ -378,14 +398,20 @@ class CostModel:
             after = local_shape(meta.shape, current, mesh_shape)
             full = math.prod(step.logical_shape) * itemsize
             written = -(-full // n) if shard_dim(step.dst) is not None else full
+            size = math.prod(before) * itemsize  # the local bytes the next primitive reads
             for k in kinds:
                 copies = list(relayout_copies(k, step.src, step.dst, before, after))
                 # NCCL needs a contiguous input (a transposed view is not); an all-to-all's own copy may do
                 if k != "local" and not contiguous and not (copies and copies[0] is before):
                     copies.insert(0, before)
-                transfers.append(Transfer(k, step.mesh_dim, written if k == "local" else full))
-                transfers.extend(Transfer("relayout", step.mesh_dim, math.prod(c) * itemsize) for c in copies)
-                contiguous = True
+                sizes = [math.prod(c) * itemsize for c in copies]
+                relayouts = [Transfer("relayout", step.mesh_dim, b, b) for b in sizes]
+                made = _made_bytes(k, size, n, math.prod(after) * itemsize)
+                # in the order they run: copies of the input before the collective, of its output after
+                transfers.extend(r for c, r in zip(copies, relayouts) if c is before)
+                transfers.append(Transfer(k, step.mesh_dim, written if k == "local" else full, made))
+                transfers.extend(r for c, r in zip(copies, relayouts) if c is not before)
+                size, contiguous = made, True
         return tuple(transfers)
 
     def redistribute_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
@@ -397,6 +423,16 @@ class CostModel:
                 math.inf if plan is None else sum(transfer_seconds(t, self.topology, self.profile) for t in plan)
             )
         return self._costs[key]
+
+    def redistribute_peak_bytes(self, src: Placements, dst: Placements, meta: TensorMeta) -> int:
+        """The most bytes the move from ``src`` to ``dst`` holds at once on a rank, its result
+        included (a gather on a non-leading dim holds the gathered chunks and their re-laid copy):
+        what the memory model counts while the reading op runs. At least the result's bytes."""
+        if tuple(src) == tuple(dst):
+            return 0
+        plan = self._plan(src, dst, meta)
+        final = local_bytes(meta, dst, self.topology.shape)
+        return final if plan is None else max(final, peak_buffer_bytes(plan))
 
     def redistribute_collectives(
         self, src: Placements, dst: Placements, meta: TensorMeta

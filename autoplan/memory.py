@@ -10,7 +10,10 @@ lowered per-rank program runs in. At each step the live bytes are:
   the forward (the loss is computed from them) unless the backward reads them. Forward values the
   backward reads are the activations saved for backward;
 - transient: an op's inputs moved to another placement, alive while the op runs (the lowering
-  redistributes each input inside the op's own segment, so the moved copy is not kept).
+  redistributes each input inside the op's own segment, so the moved copy is not kept), with the
+  buffers the move's collectives hold around themselves (a gather on a non-leading dim holds the
+  gathered chunks and their re-laid copy at once); likewise a gradient's move into its
+  parameter's placement where it is produced, and the model outputs' moves at the forward's end.
 
 The ILP bounds the same sum at a few candidate steps (``PeakRows``); every term is the bytes of one
 node's output under its chosen placement, which is linear in the placement choice.
@@ -18,7 +21,6 @@ node's output under its chosen placement, which is linear in the placement choic
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from autoplan.adapters.dtensor import Placements, tensor_meta
 from autoplan.costs import local_bytes
 from autoplan.plan import MemoryReport
 from autoplan.recompute import closure, just_in_time
-from autoplan.strategies import Strategy, output_vals, tensor_inputs, value_of
+from autoplan.strategies import Strategy, aliases_input, output_vals, tensor_inputs, value_of
 from autoplan.tracing import PHASE_KEY, TracedGraph
 
 
@@ -91,10 +93,6 @@ class Schedule:
     n_steps: int
 
 
-def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target is operator.getitem or getattr(node.target, "is_view", False))
-
-
 def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[Key], dict[Key, list[Key]]]:
     """Entries in run order and the entries each one reads: the backward (and recomputed copies)
     read the copies of recomputed values."""
@@ -132,7 +130,7 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> S
     reads = dict(step)
     for k in order:
         ins = inputs[k]
-        owner[k] = owner[ins[0]] if _is_view(node_of(k)) and ins and ins[0] in owner else k
+        owner[k] = owner[ins[0]] if aliases_input(node_of(k)) and ins and ins[0] in owner else k
         for a in ins:
             if a in reads:
                 reads[a] = max(reads[a], step[k])
@@ -160,13 +158,32 @@ def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shap
     )
 
 
-def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], mesh_shape) -> int:
-    """Bytes of ``n``'s inputs redistributed to the placement ``n`` reads them in."""
-    total = 0
+MovePrice = Callable[[Placements, Placements, object], float]  # (made in, read in, tensor meta) -> bytes
+
+
+def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], move: MovePrice) -> float:
+    """Bytes the moves of ``n``'s inputs to the placements ``n`` reads them in hold while it runs."""
+    total = 0.0
     for a, want in zip(tensor_inputs(n), chosen[n].inputs):
         u, k = value_of(a)
         if u in chosen and chosen[u].outputs[k] != want and isinstance(a.meta.get("val"), torch.Tensor):
-            total += local_bytes(tensor_meta(a.meta["val"]), want, mesh_shape)
+            total += move(chosen[u].outputs[k], want, tensor_meta(a.meta["val"]))
+    return total
+
+
+def output_move_bytes(
+    tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements], move: MovePrice
+) -> float:
+    """Bytes the model outputs' moves to their constrained placements (or their tangents') hold at
+    the end of the forward, where the lowering makes them."""
+    tangents, total = tg.placeholder_for("tangent"), 0.0
+    for i, o in tg.outputs_of("output").items():
+        if not isinstance(o, fx.Node) or o not in chosen:
+            continue
+        target = fixed_outputs.get(i, chosen[tangents[i]].outputs[0] if tangents.get(i) in chosen else None)
+        made = chosen[o].outputs[0]
+        if target is not None and made != target:
+            total += move(made, target, tensor_meta(o.meta["val"]))
     return total
 
 
@@ -176,9 +193,16 @@ def estimate(
     mesh_shape,
     optimizer: OptimizerSpec = ADAMW,
     sched: Schedule | None = None,
+    move: MovePrice | None = None,
+    fixed_outputs: dict[int, Placements] | None = None,
 ) -> MemoryReport:
-    """Walk the schedule under ``chosen`` and find the step with the most bytes alive."""
+    """Walk the schedule under ``chosen`` and find the step with the most bytes alive.
+
+    ``move`` prices what a redistribution holds while it runs (by default its result only; the
+    cost model's ``redistribute_peak_bytes`` adds the buffers collectives make around themselves);
+    ``fixed_outputs``: the placements constrained model outputs are moved to."""
     sched = sched or schedule(tg)
+    move = move or moved_copy_bytes(mesh_shape)
     params = tg.placeholder_for("param")
     per_param = {f: value_bytes(n, chosen[n].outputs, mesh_shape) for f, n in params.items()}
     optimizer_bytes = int(
@@ -203,7 +227,7 @@ def estimate(
             continue
         if owner is k:
             owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
-        elif _moved_inputs(n, chosen, mesh_shape):  # a view of a moved value owns the moved copy
+        elif _moved_inputs(n, chosen, move):  # a view of a moved value owns the moved copy
             owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.last_use[k])
     last = sched.n_steps - 1
     extra = [(value_bytes(p, chosen[p].outputs, mesh_shape), sched.step[o], last) for o, p in moved.items()]
@@ -214,8 +238,13 @@ def estimate(
     transient = np.zeros(sched.n_steps)
     for k, step in sched.step.items():
         n = node_of(k)
-        if n in chosen and n.op == "call_function" and not _is_view(n):
-            transient[step] = _moved_inputs(n, chosen, mesh_shape)
+        if n in chosen and n.op == "call_function" and not aliases_input(n):
+            transient[step] = _moved_inputs(n, chosen, move)
+    for o, p in moved.items():  # what the gradient's move holds besides its result (counted above)
+        meta = tensor_meta(o.meta["val"])
+        made, want = chosen[o].outputs[0], chosen[p].outputs[0]
+        transient[sched.step[o]] += move(made, want, meta) - local_bytes(meta, want, mesh_shape)
+    transient[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
     live = np.cumsum(delta)[:-1] + transient + optimizer_bytes
     t = int(np.argmax(live))
     peak = sched.order[t]
@@ -297,19 +326,20 @@ def row_bytes(
     return b * (1 + optimizer.bytes_per_param_byte(n.meta["val"].dtype)) if n in params else b
 
 
-def moves_at(sched: Schedule, step: int) -> list[fx.Node]:
+def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     """The ops whose moved inputs' copies are alive at ``step``, as an ILP row there counts them:
     the op run at ``step`` (an original op: a recomputed copy's are not in the base schedule's
-    rows), and the views alive then whose input is read in another placement (the view owns the
-    moved copy until its last reader, see ``estimate``)."""
+    rows), whose moves hold all their buffers then; and the views alive then whose input is read
+    in another placement, which hold only the moved result (the view owns it until its last
+    reader, see ``estimate``)."""
     k = sched.order[step]
-    ops = [k] if isinstance(k, fx.Node) and k.op == "call_function" and not _is_view(k) else []
+    ops = [k] if isinstance(k, fx.Node) and k.op == "call_function" and not aliases_input(k) else []
     views = {
         node_of(v)
         for v, owner in sched.owner.items()
         if owner is not v and sched.step[v] <= step <= sched.last_use[v] and node_of(v).op == "call_function"
     }
-    return ops + sorted(views, key=sched.step.__getitem__)
+    return ops, sorted(views, key=sched.step.__getitem__)
 
 
 def moved_copy_bytes(mesh_shape) -> Callable[[Placements, Placements, object], float]:
@@ -318,12 +348,21 @@ def moved_copy_bytes(mesh_shape) -> Callable[[Placements, Placements, object], f
 
 
 def linear_peak_bytes(
-    sched: Schedule, step: int, chosen: dict[fx.Node, Strategy], params: set[fx.Node], mesh_shape, optimizer
+    sched: Schedule,
+    step: int,
+    chosen: dict[fx.Node, Strategy],
+    params: set[fx.Node],
+    mesh_shape,
+    optimizer,
+    move: MovePrice,
 ) -> int:
-    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts."""
+    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by ``move``)."""
     alive = [node_of(k) for k in live_storages(sched, step)]
     stored = sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen)
-    moved = sum(_moved_inputs(op, chosen, mesh_shape) for op in moves_at(sched, step) if op in chosen)
+    ops, views = moves_at(sched, step)
+    copy = moved_copy_bytes(mesh_shape)
+    moved = sum(_moved_inputs(op, chosen, move) for op in ops if op in chosen)
+    moved += sum(_moved_inputs(v, chosen, copy) for v in views if v in chosen)
     return int(stored + moved)
 
 

@@ -35,6 +35,7 @@ from autoplan.problem import (
     build_problem,
     forward_costs,
     input_moves,
+    output_moves,
 )
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
@@ -93,6 +94,8 @@ class Planner:
         self.mesh_shape = tuple(self.mesh.shape)
         self.params = set(self.tg.placeholder_for("param").values())
         self.schedule = memory.schedule(self.tg)
+        # what a move holds while it runs depends on the mesh alone, not on the device profile
+        self._move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
         self.layers = recompute.layers(self.tg.gm.graph)
         self._tagged = {
             (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
@@ -189,10 +192,16 @@ class Planner:
         copy = sched.order[at] if isinstance(sched.order[at], memory.Recomputed) else None
         return (self.schedule.step[sched.order[t]], copy), at
 
-    def _missed(self, sched: memory.Schedule, report, chosen: dict[fx.Node, Strategy]) -> tuple[Point, float]:
+    def _missed(
+        self, sched: memory.Schedule, report, chosen: dict[fx.Node, Strategy], request: Request
+    ) -> tuple[Point, float]:
         """Where a row bounds the plan's estimated peak, and the bytes of it that row does not count."""
         t, at = self._point(sched, report.peak_at)
-        linear = memory.linear_peak_bytes(sched, at, chosen, self.params, self.mesh_shape, self.optimizer)
+        linear = memory.linear_peak_bytes(
+            sched, at, chosen, self.params, self.mesh_shape, self.optimizer, self._move_bytes
+        )
+        if t == (self.schedule.forward_end, None):
+            linear += memory.output_move_bytes(self.tg, chosen, request.outputs, self._move_bytes)
         return t, report.peak_bytes - linear
 
     def _bound(self, steps: dict[Point, float], point: Point, missed: float) -> None:
@@ -235,7 +244,11 @@ class Planner:
                     if (i := index.get(_option_name(layer, option))) is not None:
                         terms.append((i, self._bytes(problem, f), self._bytes(problem, k)))
             coeffs = tuple(self._bytes(problem, alive).units.items())
-            moves = input_moves(problem, memory.moves_at(self.schedule, step), memory.moved_copy_bytes(self.mesh_shape))
+            ops, views = memory.moves_at(self.schedule, step)
+            moves = input_moves(problem, ops, self._move_bytes)
+            moves.add(input_moves(problem, views, memory.moved_copy_bytes(self.mesh_shape)))
+            if step == self.schedule.forward_end and copy is None:  # where the lowering moves the outputs
+                moves.add(output_moves(self.tg, problem, request.outputs, self._move_bytes))
             group = _peak_group(request)
             name = copy.name if copy is not None else self.schedule.order[step].name
             limit = request.peak_budget - missed
@@ -303,10 +316,13 @@ class Planner:
     def recomputed(self, choice: dict[str, str]) -> frozenset[fx.Node]:
         return frozenset().union(*(self._tagged[(layer, o)] for layer, o in choice.items()))
 
-    def estimate(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str]):
+    def estimate(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str], request: Request):
         """The memory report of a plan and the schedule it was walked on."""
         sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.schedule
-        return memory.estimate(self.tg, chosen, self.mesh_shape, self.optimizer, sched), sched
+        report = memory.estimate(
+            self.tg, chosen, self.mesh_shape, self.optimizer, sched, self._move_bytes, request.outputs
+        )
+        return report, sched
 
     def _solve_within_peak(self, request: Request, solve_with, steps: dict[Point, float]) -> _Solved:
         """``solve_with(steps)`` with the peak bounded at ``steps``; where the plan's estimated peak
@@ -319,10 +335,10 @@ class Planner:
             build_s, solve_s = build_s + solved.build_time, solve_s + solved.solve_time
             if request.peak_budget is None:
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            report, sched = self.estimate(chosen, _choice(solved.recompute))
+            report, sched = self.estimate(chosen, _choice(solved.recompute), request)
             if not _over(report, request):
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            t, missed = self._missed(sched, report, chosen)
+            t, missed = self._missed(sched, report, chosen, request)
             missed = max(steps.get(t, 0.0), missed)
             if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
                 missed = steps[t] + report.peak_bytes - request.peak_budget
@@ -375,7 +391,7 @@ class Planner:
         spent = dataclasses.replace(
             done, build_s=done.build_s + solved.build_time, solve_s=done.solve_s + solved.solve_time
         )
-        report, _ = self.estimate(chosen, _choice(solved.recompute))
+        report, _ = self.estimate(chosen, _choice(solved.recompute), request)
         if _over(report, request) or solved.objective_without_tie_break > done.solved.objective_without_tie_break:
             return spent  # the polish moved the peak where no row bounds it, or found nothing better
         return dataclasses.replace(spent, problem=problem, solved=solved, chosen=chosen)
@@ -412,7 +428,7 @@ class Planner:
         ``deadline``: minimise the bounded rows, bounding more steps the same way as under a cap
         until the plan's estimate is what the rows say."""
         steps, least = dict(steps), None
-        for _ in range(_PEAK_ROUNDS):
+        while True:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
@@ -422,11 +438,11 @@ class Planner:
                 )
             except SolverTimeoutError:
                 break
-            report, sched = self.estimate(chosen, _choice(solved.recompute))
+            report, sched = self.estimate(chosen, _choice(solved.recompute), request)
             least = report.peak_bytes if least is None else min(least, report.peak_bytes)
             if report.peak_bytes <= solved.peak + 1.0:
                 break
-            t, missed = self._missed(sched, report, chosen)
+            t, missed = self._missed(sched, report, chosen, request)
             if t in steps and missed <= steps[t]:
                 break
             self._bound(steps, t, missed)
@@ -501,7 +517,7 @@ class Planner:
         }
         rerun = self.recomputed(choice)
         cost = dataclasses.replace(ev.cost, recompute=_rerun_seconds(ev, rerun, tg))
-        report, _ = self.estimate(chosen, choice)
+        report, _ = self.estimate(chosen, choice, request)
         if _over(report, request):
             warnings.warn(
                 f"the plan's estimated peak {report.peak_bytes:.6g} bytes per device (at {report.peak_at})"

@@ -23,14 +23,21 @@ from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering
 from autoplan.costs import CostModel, node_flops
 from autoplan.progress import progress
-from autoplan.strategies import NodeStrategies, Placements, Strategy, output_vals, tensor_inputs, value_of
+from autoplan.strategies import (
+    NodeStrategies,
+    Placements,
+    Strategy,
+    aliases_input,
+    output_vals,
+    tensor_inputs,
+    value_of,
+)
 from autoplan.tracing import TracedGraph
 
 
 def is_free(node: fx.Node) -> bool:
     """Ops that launch no kernel: views and aliases."""
-    op = node.target
-    return node.op != "call_function" or op is operator.getitem or getattr(op, "is_view", False)
+    return node.op != "call_function" or aliases_input(node)
 
 
 def strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
@@ -97,6 +104,12 @@ class Linear:
 
     def add_edge(self, group: int, values: np.ndarray) -> None:
         self.edges[group] = self.edges.get(group, 0) + values
+
+    def add(self, other: Linear) -> None:
+        for unit, values in other.units.items():
+            self.add_unit(unit, values)
+        for group, values in other.edges.items():
+            self.add_edge(group, values)
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,24 @@ def input_moves(problem: PlacementProblem, nodes: Iterable[fx.Node], price: Pric
             u, k = value_of(a)
             if rep.get(u) in problem.root and isinstance(output_vals(u)[k], torch.Tensor):
                 _add_edge(out, problem, _edge(problem.strategies, problem.root, price, rep[u], k, rep[n], j))
+    return out
+
+
+def output_moves(
+    tg: TracedGraph, problem: PlacementProblem, fixed_outputs: dict[int, Placements], price: Price
+) -> Linear:
+    """``price`` of moving each model output to where it must end up (its constrained placement,
+    else its tangent's), as a function of the choice."""
+    out = Linear()
+    edges, sinks = output_sinks(tg, problem.clustering, fixed_outputs)
+    for ur, k, cr, slot in edges:
+        if ur in problem.root and cr in problem.root:
+            _add_edge(out, problem, _edge(problem.strategies, problem.root, price, ur, k, cr, slot))
+    for ur, k, placements in sinks:
+        if ur in problem.root:
+            meta = tensor_meta(output_vals(ur)[k])
+            unit, m = problem.root[ur]
+            out.add_unit(unit, np.array([price(problem.strategies[ur][i].outputs[k], placements, meta) for i in m]))
     return out
 
 

@@ -67,6 +67,19 @@ def output_vals(node: fx.Node) -> tuple:
     return tuple(val) if isinstance(val, (tuple, list)) else (val,)
 
 
+# not marked a view (autograd does not track it as one), but it aliases its input all the same
+_ALIASING = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+def aliases_input(node: fx.Node) -> bool:
+    """Whether an op's output shares its input's storage: views, tuple elements, ``_unsafe_view``.
+    No kernel runs and no bytes are allocated."""
+    if node.op != "call_function":
+        return False
+    op = node.target
+    return op is operator.getitem or op in _ALIASING or getattr(op, "is_view", False)
+
+
 def is_valid(placements: Placements | None, val, mesh_shape: Sequence[int]) -> bool:
     """Reject shards the mesh cannot split evenly, partial integer tensors and exotic placement types."""
     if placements is None:

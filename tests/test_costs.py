@@ -272,3 +272,19 @@ def test_collective_of_a_transposed_view_copies_its_input_first(model):
     assert model.redistribute_cost((R, R), (R, Shard(0)), t_view) == model.redistribute_cost(
         (R, R), (R, Shard(0)), contiguous
     )
+
+
+def test_a_move_holds_its_result_and_the_buffers_around_its_collectives(model):
+    """What the memory model counts while a move runs: a gather on dim 0 holds its result alone; on a
+    non-leading dim the gathered chunks and their re-laid copy at once; a reduce-scatter there the
+    re-laid input and its result; a two-dim gather each step's input and output."""
+    m, full = meta(4096, 14336), 4096 * 14336 * 2
+    assert model.redistribute_peak_bytes((R, Shard(0)), (R, Shard(0)), m) == 0
+    assert model.redistribute_peak_bytes((R, Shard(0)), (R, R), m) == full
+    assert model.redistribute_peak_bytes((R, Shard(1)), (R, R), m) == 2 * full
+    assert model.redistribute_peak_bytes((R, P), (R, Shard(1)), m) == full + full // 8
+    assert model.redistribute_peak_bytes((R, P), (R, Shard(0)), m) == full // 8
+    # tp first (1/128 -> 1/16 of the tensor), then dp: the dp gather's input and output at once
+    assert model.redistribute_peak_bytes((Shard(0), Shard(0)), (R, R), m) == full // 16 + full
+    # a local slice holds its (new) chunk
+    assert model.redistribute_peak_bytes((R, R), (R, Shard(0)), m) == full // 8

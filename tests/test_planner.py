@@ -108,17 +108,8 @@ def test_transformer_block_ffn_is_column_then_row_parallel_on_tp(block_plan):
 
 
 def _views_of(plan, name):
-    """Names of the view chain hanging off ``name`` (an mm output is reshaped before its reduction)."""
-    out, frontier = set(), {name}
+    """Names of the forward views of ``name``'s module (an mm output is reshaped before its
+    reduction; the view aliases it, so no redistribution links the two)."""
+    mm = plan.nodes[name]
     view_ops = {"aten._unsafe_view.default", "aten.view.default"}
-    while frontier:
-        nxt = {
-            n.name for n in plan.nodes.values() if n.op in view_ops and n.name not in out and _reads(plan, n, frontier)
-        }
-        out |= nxt
-        frontier = nxt
-    return out
-
-
-def _reads(plan, node, names):
-    return any(r.consumer == node.name and r.producer in names for r in plan.redistributions) or node.name in names
+    return {n.name for n in plan.nodes.values() if n.op in view_ops and n.module == mm.module and n.phase == mm.phase}
