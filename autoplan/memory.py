@@ -328,12 +328,11 @@ def row_bytes(
 
 def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     """The ops whose moved inputs' copies are alive at ``step``, as an ILP row there counts them:
-    the op run at ``step`` (an original op: a recomputed copy's are not in the base schedule's
-    rows), whose moves hold all their buffers then; and the views alive then whose input is read
-    in another placement, which hold only the moved result (the view owns it until its last
-    reader, see ``estimate``)."""
-    k = sched.order[step]
-    ops = [k] if isinstance(k, fx.Node) and k.op == "call_function" and not aliases_input(k) else []
+    the op run at ``step`` (a recomputed copy's moves count on its option), whose moves hold all
+    their buffers then; and the views alive then whose input is read in another placement, which
+    hold only the moved result (the view owns it until its last reader, see ``estimate``)."""
+    n = node_of(sched.order[step])
+    ops = [n] if n.op == "call_function" and not aliases_input(n) else []
     views = {
         node_of(v)
         for v, owner in sched.owner.items()

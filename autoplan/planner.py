@@ -240,9 +240,16 @@ class Planner:
             for option in recompute.OPTIONS:
                 if not any(_option_name(layer, option) in index for layer in self.layers):
                     continue
-                for layer, (f, k) in self._changes_at(step, option, copy).items():
+                changes = dict(self._changes_at(step, option, copy))
+                rerun = copy is not None and copy.node in self._tagged.get((recompute.layer_of(copy.node), option), ())
+                if rerun:
+                    changes.setdefault(recompute.layer_of(copy.node), ([], []))
+                for layer, (f, k) in changes.items():
                     if (i := index.get(_option_name(layer, option))) is not None:
-                        terms.append((i, self._bytes(problem, f), self._bytes(problem, k)))
+                        keeps = self._bytes(problem, k)
+                        if rerun and layer == recompute.layer_of(copy.node):  # the copy moves its inputs again
+                            keeps.add(input_moves(problem, [copy.node], self._move_bytes))
+                        terms.append((i, self._bytes(problem, f), keeps))
             coeffs = tuple(self._bytes(problem, alive).units.items())
             ops, views = memory.moves_at(self.schedule, step)
             moves = input_moves(problem, ops, self._move_bytes)
