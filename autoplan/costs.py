@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,6 +22,8 @@ from autoplan import attention
 from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_steps, shard_dim
 
 aten = torch.ops.aten
+# a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
+Price = Callable[[Placements, Placements, Any], float]
 
 
 class LinkKind(enum.Enum):

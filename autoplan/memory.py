@@ -21,7 +21,6 @@ node's output under its chosen placement, which is linear in the placement choic
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from autoplan.adapters.dtensor import Placements, tensor_meta
-from autoplan.costs import local_bytes
+from autoplan.costs import Price, local_bytes
 from autoplan.plan import MemoryReport
 from autoplan.recompute import closure, just_in_time
 from autoplan.strategies import Strategy, aliases_input, output_vals, tensor_inputs, value_of
@@ -158,10 +157,7 @@ def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shap
     )
 
 
-MovePrice = Callable[[Placements, Placements, object], float]  # (made in, read in, tensor meta) -> bytes
-
-
-def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], move: MovePrice) -> float:
+def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], move: Price) -> float:
     """Bytes the moves of ``n``'s inputs to the placements ``n`` reads them in hold while it runs."""
     total = 0.0
     for a, want in zip(tensor_inputs(n), chosen[n].inputs):
@@ -172,7 +168,7 @@ def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], move: MovePrice) 
 
 
 def output_move_bytes(
-    tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements], move: MovePrice
+    tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements], move: Price
 ) -> float:
     """Bytes the model outputs' moves to their constrained placements (or their tangents') hold at
     the end of the forward, where the lowering makes them."""
@@ -193,7 +189,7 @@ def estimate(
     mesh_shape,
     optimizer: OptimizerSpec = ADAMW,
     sched: Schedule | None = None,
-    move: MovePrice | None = None,
+    move: Price | None = None,
     fixed_outputs: dict[int, Placements] | None = None,
 ) -> MemoryReport:
     """Walk the schedule under ``chosen`` and find the step with the most bytes alive.
@@ -341,7 +337,7 @@ def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     return ops, sorted(views, key=sched.step.__getitem__)
 
 
-def moved_copy_bytes(mesh_shape) -> Callable[[Placements, Placements, object], float]:
+def moved_copy_bytes(mesh_shape) -> Price:
     """Bytes of the copy a move from one placement to another makes (none when they are equal)."""
     return lambda made, read, meta: 0.0 if made == read else float(local_bytes(meta, read, mesh_shape))
 
@@ -353,7 +349,7 @@ def linear_peak_bytes(
     params: set[fx.Node],
     mesh_shape,
     optimizer,
-    move: MovePrice,
+    move: Price,
 ) -> int:
     """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by ``move``)."""
     alive = [node_of(k) for k in live_storages(sched, step)]

@@ -226,6 +226,13 @@ class Planner:
             out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin)))
         return out
 
+    def _rerun_layer(self, copy: memory.Recomputed | None, option: str) -> str | None:
+        """The layer whose ``option`` runs ``copy`` again, if any."""
+        if copy is None:
+            return None
+        layer = recompute.layer_of(copy.node)
+        return layer if copy.node in self._tagged.get((layer, option), ()) else None
+
     def _peak_rows(
         self, problem: PlacementProblem, request: Request, steps: dict[Point, float], options: list[RecomputeVar]
     ) -> list[BudgetRow]:
@@ -241,13 +248,13 @@ class Planner:
                 if not any(_option_name(layer, option) in index for layer in self.layers):
                     continue
                 changes = dict(self._changes_at(step, option, copy))
-                rerun = copy is not None and copy.node in self._tagged.get((recompute.layer_of(copy.node), option), ())
-                if rerun:
-                    changes.setdefault(recompute.layer_of(copy.node), ([], []))
+                rerun = self._rerun_layer(copy, option)  # its keeps include the copy's input moves
+                if rerun is not None:
+                    changes.setdefault(rerun, ([], []))
                 for layer, (f, k) in changes.items():
                     if (i := index.get(_option_name(layer, option))) is not None:
                         keeps = self._bytes(problem, k)
-                        if rerun and layer == recompute.layer_of(copy.node):  # the copy moves its inputs again
+                        if layer == rerun:
                             keeps.add(input_moves(problem, [copy.node], self._move_bytes))
                         terms.append((i, self._bytes(problem, f), keeps))
             coeffs = tuple(self._bytes(problem, alive).units.items())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering
-from autoplan.costs import CostModel, node_flops
+from autoplan.costs import CostModel, Price, node_flops
 from autoplan.progress import progress
 from autoplan.strategies import (
     NodeStrategies,
@@ -129,9 +129,6 @@ class _Edge:
 
     def per_strategy(self, cost: np.ndarray) -> np.ndarray:
         return cost.reshape(-1)[self.index]
-
-
-Price = Callable[[Placements, Placements, object], float]  # (made in, read in, tensor meta) -> value
 
 
 def _edge(strats, root, price: Price, ur: fx.Node, k: int, cr: fx.Node, slot) -> _Edge:
