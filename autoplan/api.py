@@ -18,7 +18,8 @@ from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats
 from autoplan.compile import RegionStats, compile_regions
 from autoplan.constraints import Pin
-from autoplan.costs import H100_SXM, CostModel, DeviceProfile
+from autoplan.costs import CostModel
+from autoplan.devices import H100_SXM, DeviceProfile, resolve_profile
 from autoplan.errors import ConstraintError
 from autoplan.lowering import lower
 from autoplan.passes import alias_roundtrip
@@ -89,6 +90,9 @@ class AutoParallel:
     the target GPU runs: flash for fp16/bf16 without a mask, else memory-efficient), ``"flash"``,
     ``"efficient"``, ``"cudnn"``, ``"math"`` or ``"cpu"`` (the host's kernel; CPU meshes only).
     Plans with GPU kernels still run on a CPU mesh: lowering computes them with the CPU kernel.
+    ``device_profile`` is the target accelerator the costs describe, by name (``"h100"``,
+    ``"h200"``, ``"a100"``, ``"b200"``, ``"mi300x"``, ``"cpu"``) or as a ``DeviceProfile``; its
+    ``gpus_per_node`` and the mesh's ranks decide which mesh dims stay inside a node.
     """
 
     def __init__(
@@ -97,7 +101,7 @@ class AutoParallel:
         mesh: DeviceMesh,
         input_fn: Callable[[], Any],
         loss_fn: Callable | None = None,
-        device_profile: DeviceProfile = H100_SXM,
+        device_profile: str | DeviceProfile = H100_SXM,
         *,
         strict: bool = False,
         cluster_layers: bool = True,
@@ -114,7 +118,7 @@ class AutoParallel:
         self.mesh = _check_mesh(mesh)
         self.input_fn = input_fn
         self.loss_fn = loss_fn
-        self.device_profile = device_profile
+        self.device_profile = resolve_profile(device_profile)
         self.strict = strict
         self.cluster_layers = cluster_layers
         self.merge_followers = merge_followers

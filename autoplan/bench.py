@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m autoplan.bench plan|apply|overhead|memory --model llama3-8b --mesh 16x8 [--json out.json]``.
+"""Benchmarks: ``python -m autoplan.bench plan|apply|overhead|memory|compare --model llama3-8b --mesh 16x8``.
 
 ``plan`` plans on a fake process group (no GPUs, no peers), prints wall time per phase, ILP size,
 objective, gap and peak RSS, then applies the plan (post-solve passes + lowering, timed as its own
@@ -6,6 +6,8 @@ phase) to report what the passes did and the collectives before and after them. 
 lowering alone. ``overhead`` runs rank 0's planned program for real (collectives made free) next
 to the plain model on the same local batch: step time, kernels and peak memory, and their ratios.
 ``memory`` runs rank 0's planned step and prints its measured peak beside the plan's estimate.
+``compare`` prices the ILP's plan next to DDP, FSDP, HSDP and FSDP+TP written as pins. Each takes
+``--json out.json``.
 """
 
 from __future__ import annotations
@@ -510,6 +512,74 @@ def run_memory(args: argparse.Namespace) -> dict:
     return result
 
 
+def compare_plans(ap, ndim: int) -> list[dict]:
+    """The ILP's plan and each hand plan (``autoplan.handplans``) that ``ap``'s mesh can express,
+    under ``ap``'s other constraints and one cost model: one row each."""
+    from autoplan.errors import AutoplanError
+    from autoplan.handplans import hand_plan_pins, hand_plans
+
+    rows = []
+    for name in ("autoplan", *hand_plans(ndim)):
+        pins = [] if name == "autoplan" else hand_plan_pins(name, ndim)
+        for target, placements in pins:
+            ap.add_node_constraint(target, placements)
+        t0 = time.perf_counter()
+        try:
+            plan = ap.optimize_placement()
+        except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
+            rows.append({"plan": name, "error": str(e).splitlines()[0]})
+        else:
+            c = plan.cost
+            rows.append(
+                {
+                    "plan": name,
+                    "step_ms": c.total * 1e3,
+                    "compute_ms": (c.compute_forward + c.compute_backward) * 1e3,
+                    "comm_ms": c.comm * 1e3,
+                    "exposed_comm_ms": c.exposed_comm * 1e3,
+                    "peak_gib": plan.memory.peak_bytes / 2**30,
+                    "param_bytes": plan.memory.param_bytes,
+                    "fits": plan.memory.peak_bytes <= ap.device_profile.memory_bytes,
+                    "mfu": c.mfu,
+                    "plan_s": time.perf_counter() - t0,
+                }
+            )
+        for target, _ in pins:
+            ap.remove_node_constraint(target)
+    return rows
+
+
+def run_compare(args: argparse.Namespace) -> dict:
+    """Price the ILP's plan against the hand-written plans users run, under one cost model."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoplan import AutoParallel
+
+    shape = parse_mesh(args.mesh)
+    model, cfg = llama_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))
+    batch, seq = llama_batch(cfg, args.batch, args.seq, shape[0])
+    vocab = cfg.vocab_size
+    ap = AutoParallel(
+        model, fake_mesh(shape), lambda: torch.randint(0, vocab, (batch, seq)), device_profile=args.device_profile
+    )
+    with ap:
+        batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+        ap.add_input_constraints([batch_pl])
+        ap.add_output_constraints([batch_pl])
+        rows = compare_plans(ap, len(shape))
+    print(f"{args.model} on mesh {args.mesh} ({ap.device_profile.name}), global batch {batch} x {seq}")
+    print(f"{'plan':<10} {'step ms':>9} {'compute':>9} {'comm':>9} {'exposed':>9} {'peak GiB':>9} {'MFU':>6}  fits")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['plan']:<10} {r['error']}")
+            continue
+        print(
+            f"{r['plan']:<10} {r['step_ms']:>9.2f} {r['compute_ms']:>9.2f} {r['comm_ms']:>9.2f}"
+            f" {r['exposed_comm_ms']:>9.2f} {r['peak_gib']:>9.2f} {r['mfu']:>6.1%}  {'yes' if r['fits'] else 'no'}"
+        )
+    return {"model": args.model, "mesh": list(shape), "batch": batch, "seq": seq, "plans": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoplan.bench", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -546,10 +616,24 @@ def main(argv: list[str] | None = None) -> int:
         "--recompute", choices=("none", "selective", "full"), default=None, help="pin every layer's recompute option"
     )
     m.add_argument("--cap", type=float, default=None, help="cap the estimated peak per device (GiB)")
+    c = sub.add_parser("compare", help="the ILP's plan against DDP, FSDP, HSDP and FSDP+TP under one cost model")
+    for action in p._actions[1:]:
+        if action.dest != "cap":
+            c._add_action(action)
+    c.add_argument("--layers", type=int, default=None, help="override the config's number of layers")
+    from autoplan.devices import DEVICE_PROFILES
+
+    c.add_argument("--device-profile", choices=sorted(DEVICE_PROFILES), default="h100")
     args = parser.parse_args(argv)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")
-    runners = {"plan": run_plan, "apply": run_apply, "overhead": run_overhead, "memory": run_memory}
+    runners = {
+        "plan": run_plan,
+        "apply": run_apply,
+        "overhead": run_overhead,
+        "memory": run_memory,
+        "compare": run_compare,
+    }
     try:  # a bad model, mesh or layer count: say so up front, not in a traceback
         parse_mesh(args.mesh)
         llama_config(args.model, getattr(args, "layers", None))

@@ -51,7 +51,6 @@ def _workload(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autoplan import AutoParallel
-    from autoplan.costs import DEVICE_PROFILES
     from autoplan.workloads import fake_mesh, parse_mesh
 
     try:  # every argument checked before the (long) planning starts
@@ -66,9 +65,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"autoplan plan: {e}") from None
     log.info("tracing %s for mesh %s", args.model, "x".join(map(str, shape)))
-    with AutoParallel(
-        model, mesh, input_fn, device_profile=DEVICE_PROFILES[args.device_profile], attention=args.attention
-    ) as ap:
+    with AutoParallel(model, mesh, input_fn, device_profile=args.device_profile, attention=args.attention) as ap:
         log.info("traced and enumerated strategies: %s", _seconds(ap.timings))
         if inputs:
             ap.add_input_constraints([inputs])
@@ -108,7 +105,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from autoplan.costs import DEVICE_PROFILES
+    from autoplan.devices import DEVICE_PROFILES
 
     parser = argparse.ArgumentParser(prog="autoplan", description="Plan how to split a PyTorch training step.")
     common = argparse.ArgumentParser(add_help=False)

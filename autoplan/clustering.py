@@ -105,22 +105,21 @@ def _context(nodes: list[fx.Node], instance: dict[fx.Node, str], pattern_of: dic
     return tuple(ctx)
 
 
-def find_repeats(tg: TracedGraph) -> Clustering:
+def layer_instances(tg: TracedGraph) -> dict[fx.Node, tuple[str, str]]:
+    """Node -> (layer instance, pattern), ``("", "")`` outside repeated modules (the output node has none)."""
     paths = module_paths(tg)
+    return {n: instance_of(paths[n]) or ("", "") for n in tg.gm.graph.nodes if n.op != "output"}
+
+
+def find_repeats(tg: TracedGraph) -> Clustering:
     by_instance: dict[str, list[fx.Node]] = defaultdict(list)
     pattern_of: dict[str, str] = {}
     instance: dict[fx.Node, str] = {}
-    for n in tg.gm.graph.nodes:
-        if n.op == "output":
-            continue
-        found = instance_of(paths[n])
-        if found is None:
-            instance[n] = ""
-            continue
-        inst, pattern = found
+    for n, (inst, pattern) in layer_instances(tg).items():
         instance[n] = inst
-        by_instance[inst].append(n)
-        pattern_of[inst] = pattern
+        if inst:
+            by_instance[inst].append(n)
+            pattern_of[inst] = pattern
 
     rel_name = {}
     for n, lab in zip(tg.placeholders, tg.input_labels):

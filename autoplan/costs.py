@@ -5,8 +5,8 @@ The planning host is a CPU; every number here describes the *target* GPUs, so no
 
 from __future__ import annotations
 
-import dataclasses
-import enum
+import collections
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,116 +20,61 @@ from torch.utils.flop_counter import flop_registry
 
 from autoplan import attention
 from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_steps, shard_dim
+from autoplan.devices import H100_SXM, DeviceProfile, LinkKind
 
 aten = torch.ops.aten
 # a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
 Price = Callable[[Placements, Placements, Any], float]
 
 
-class LinkKind(enum.Enum):
-    INTRA_NODE = "nvlink"
-    INTER_NODE = "network"
-
-
 @dataclass(frozen=True)
-class DeviceProfile:
-    """Performance facts of one target GPU model and its interconnect (all rates per GPU)."""
+class GroupSpan:
+    """How one process group sits on nodes: ``per_node`` of its ranks on each of ``nodes`` nodes."""
 
-    name: str
-    peak_flops: tuple[tuple[str, float], ...]  # (dtype name, dense FLOP/s); a tuple so the profile stays hashable
-    hbm_bandwidth: float  # bytes/s
-    intra_node_bandwidth: float  # bytes/s per GPU per direction (NVLink/NVSwitch)
-    inter_node_bandwidth: float  # bytes/s per GPU (network)
-    intra_node_latency: float  # s per collective step
-    inter_node_latency: float  # s per collective step
-    gpus_per_node: int
-    memory_bytes: int
-    compute_efficiency: float  # achievable fraction of peak FLOPs
-    bandwidth_efficiency: float  # achievable fraction of HBM / link bandwidth
-    kernel_launch: float  # floor per launched kernel, s
+    per_node: int
+    nodes: int
 
-    def flops_for(self, dtype: torch.dtype) -> float:
-        """Peak FLOP/s for ``dtype``; unlisted dtypes (ints, bool, complex) get the slowest listed rate, to be safe."""
-        rates = dict(self.peak_flops)
-        return rates.get(dtype_name(dtype), min(rates.values()))
-
-    def link_bandwidth(self, link: LinkKind) -> float:
-        """Achievable bytes/s per GPU on ``link``."""
-        raw = self.intra_node_bandwidth if link is LinkKind.INTRA_NODE else self.inter_node_bandwidth
-        return raw * self.bandwidth_efficiency
-
-    def link_latency(self, link: LinkKind) -> float:
-        return self.intra_node_latency if link is LinkKind.INTRA_NODE else self.inter_node_latency
+    @property
+    def size(self) -> int:
+        return self.per_node * self.nodes
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def group_span(groups: torch.Tensor, gpus_per_node: int) -> GroupSpan:
+    """The span shared by every group (a row of global ranks; rank r lives on node r // gpus_per_node).
 
-
-# H100 SXM5 (dense, no sparsity). float32 is the CUDA-core rate, not TF32: PyTorch's default
-# float32_matmul_precision="highest" keeps fp32 matmuls off TF32 tensor cores (494e12).
-# Efficiencies: large bf16 GEMMs reach ~60% of peak in practice, HBM/NVLink/network streams ~80%.
-# Latencies: ~5 us per NCCL ring step over NVSwitch, ~15 us over InfiniBand/RoCE; ~4 us per kernel launch.
-H100_SXM = DeviceProfile(
-    name="H100-SXM5-80GB",
-    peak_flops=(
-        ("float8_e4m3fn", 1979e12),
-        ("float8_e5m2", 1979e12),
-        ("bfloat16", 989e12),
-        ("float16", 989e12),
-        ("float32", 67e12),
-        ("float64", 67e12),
-    ),
-    hbm_bandwidth=3.35e12,
-    intra_node_bandwidth=450e9,
-    inter_node_bandwidth=50e9,  # 400 Gb/s NIC per GPU
-    intra_node_latency=5e-6,
-    inter_node_latency=15e-6,
-    gpus_per_node=8,
-    memory_bytes=80 * 2**30,
-    compute_efficiency=0.6,
-    bandwidth_efficiency=0.8,
-    kernel_launch=4e-6,
-)
-# H200 SXM: the H100's compute with 141 GB of faster HBM3e (4.8 TB/s).
-H200_SXM = dataclasses.replace(H100_SXM, name="H200-SXM-141GB", hbm_bandwidth=4.8e12, memory_bytes=141 * 10**9)
-# A100 SXM4 80GB: no fp8; NVLink 3 (600 GB/s both directions), a 200 Gb/s HDR NIC per GPU.
-A100_SXM = dataclasses.replace(
-    H100_SXM,
-    name="A100-SXM4-80GB",
-    peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12), ("float64", 19.5e12)),
-    hbm_bandwidth=2.039e12,
-    intra_node_bandwidth=300e9,
-    inter_node_bandwidth=25e9,
-)
-DEVICE_PROFILES = {"h100": H100_SXM, "h200": H200_SXM, "a100": A100_SXM}
+    Groups spread unevenly over nodes count as one rank per node: every step crosses the network.
+    """
+    size = groups.shape[1]
+    counts = {n for row in (groups // gpus_per_node).tolist() for n in collections.Counter(row).values()}
+    per_node = counts.pop() if len(counts) == 1 else 1
+    return GroupSpan(per_node, size // per_node)
 
 
 @dataclass(frozen=True)
 class MeshTopology:
-    """Which physical link each mesh dim's collectives run over."""
+    """How each mesh dim's process groups, and the whole mesh as one flattened group, sit on nodes."""
 
     shape: tuple[int, ...]
-    links: tuple[LinkKind, ...]  # per mesh dim
+    spans: tuple[GroupSpan, ...]  # per mesh dim
+    flat: GroupSpan  # all ranks as one group: the group of a fused (flattened-mesh) all-gather
 
     def __post_init__(self) -> None:
-        if len(self.shape) != len(self.links):
-            raise ValueError(f"shape {self.shape} and links {self.links} disagree on the number of mesh dims")
+        if tuple(s.size for s in self.spans) != self.shape:
+            raise ValueError(f"spans {self.spans} do not cover mesh shape {self.shape}")
+
+    @property
+    def links(self) -> tuple[LinkKind, ...]:
+        """Per mesh dim: NVLink iff each group sits inside one node."""
+        return tuple(LinkKind.INTRA_NODE if s.nodes == 1 else LinkKind.INTER_NODE for s in self.spans)
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, gpus_per_node: int) -> MeshTopology:
-        """Classify each dim from the mesh's global ranks (rank r lives on node r // gpus_per_node)."""
+        """Read the spans from the mesh's global ranks."""
         ranks = mesh.mesh
-        return cls(tuple(ranks.shape), tuple(link_kind(ranks, d, gpus_per_node) for d in range(ranks.ndim)))
-
-
-def link_kind(ranks: torch.Tensor, dim: int, gpus_per_node: int) -> LinkKind:
-    """NVLink iff every process group along ``dim`` sits inside one node.
-
-    One hop off-node makes the whole ring network-bound.
-    """
-    nodes = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]) // gpus_per_node
-    return LinkKind.INTRA_NODE if bool((nodes == nodes[:, :1]).all()) else LinkKind.INTER_NODE
+        spans = tuple(
+            group_span(ranks.movedim(d, -1).reshape(-1, ranks.shape[d]), gpus_per_node) for d in range(ranks.ndim)
+        )
+        return cls(tuple(ranks.shape), spans, group_span(ranks.reshape(1, -1), gpus_per_node))
 
 
 # ---------------------------------------------------------------------------------------------- sizes
@@ -288,29 +233,96 @@ def mixed_partials(placements: Placements) -> bool:
     return len({p.reduce_op for p in placements if isinstance(p, Partial)}) > 1
 
 
-def collective_seconds(kind: TransferKind, n: int, nbytes: float, bandwidth: float, latency: float) -> float:
-    """Ring alpha-beta time of a collective over ``n`` ranks on a link with achievable ``bandwidth``."""
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+
+
+def flat_collective_seconds(
+    kind: CollectiveKind, n: int, nbytes: float, bandwidth: float, latency: float, *, in_switch: bool = False
+) -> float:
+    """Alpha-beta time of a collective over ``n`` ranks on one kind of link (``nbytes``: the full
+    logical tensor). All-reduce takes the fastest algorithm NCCL would pick for the size: ring
+    (bandwidth-optimal, 2(n-1) latency steps), double binary tree (twice the bytes per rank, only
+    2 log2(n) steps: wins small messages on many ranks), or, where the switch reduces in-network
+    (``in_switch``, NVLS), each byte sent and received once. In-switch gathers and scatters move
+    the ring's bytes but in one multicast step instead of n-1."""
     steps = n - 1
     if kind in ("all_gather", "reduce_scatter"):
-        return steps / n * nbytes / bandwidth + steps * latency
-    if kind == "all_reduce":  # reduce-scatter + all-gather
-        return 2 * steps / n * nbytes / bandwidth + 2 * steps * latency
+        return steps / n * nbytes / bandwidth + min(steps, 2 if in_switch else steps) * latency
     if kind == "all_to_all":  # each rank ships (n-1)/n of its nbytes/n shard
         return steps / n * (nbytes / n) / bandwidth + steps * latency
+    if kind == "all_reduce":
+        ring = 2 * steps / n * nbytes / bandwidth + 2 * steps * latency
+        tree = 2 * nbytes / bandwidth + 2 * math.ceil(math.log2(n)) * latency
+        switch = nbytes / bandwidth + 2 * latency if in_switch else math.inf
+        return min(ring, tree, switch)
+    raise ValueError(f"not a collective: {kind}")
+
+
+def collective_seconds(kind: CollectiveKind, span: GroupSpan, nbytes: float, profile: DeviceProfile) -> float:
+    """Time of one collective over a group laid out as ``span``.
+
+    Inside one node it runs on NVLink; with one rank per node, on the network. A group with
+    several ranks on each of several nodes runs hierarchically, as NCCL's multi-NIC rings and trees
+    effectively do: the network phase runs between ranks of equal local index, each on its own NIC
+    with 1/per_node of the bytes, and the NVLink phase inside each node.
+    """
+    if span.size == 1:
+        return 0.0
+    nvlink = (profile.link_bandwidth(LinkKind.INTRA_NODE), profile.link_latency(LinkKind.INTRA_NODE))
+    network = (profile.link_bandwidth(LinkKind.INTER_NODE), profile.link_latency(LinkKind.INTER_NODE))
+    if span.nodes == 1:
+        return flat_collective_seconds(kind, span.size, nbytes, *nvlink, in_switch=profile.nvls)
+    if span.per_node == 1:
+        return flat_collective_seconds(kind, span.size, nbytes, *network)
+    g, k = span.per_node, span.nodes
+    if kind in ("all_gather", "reduce_scatter"):
+        return flat_collective_seconds(kind, k, nbytes / g, *network) + flat_collective_seconds(
+            kind, g, nbytes, *nvlink
+        )
+    if kind == "all_reduce":  # reduce-scatter in the node, all-reduce across nodes, all-gather in the node
+        inside = 2 * flat_collective_seconds("reduce_scatter", g, nbytes, *nvlink)
+        return inside + flat_collective_seconds("all_reduce", k, nbytes / g, *network)
+    if kind == "all_to_all":  # of a rank's nbytes/n shard, (n-g)/n leaves the node; both streams run at once
+        n, shard = span.size, nbytes / span.size
+        across = (n - g) / n * shard / network[0] + (k - 1) * network[1]
+        within = (g - 1) / n * shard / nvlink[0] + (g - 1) * nvlink[1]
+        return max(across, within)
     raise ValueError(f"not a collective: {kind}")
 
 
 def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
     if transfer.kind in ("local", "relayout"):  # one memory-bound copy kernel: reads and writes its bytes
         return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
-    link = topology.links[transfer.mesh_dim]
-    return collective_seconds(
-        transfer.kind,
-        topology.shape[transfer.mesh_dim],
-        transfer.nbytes,
-        profile.link_bandwidth(link),
-        profile.link_latency(link),
-    )
+    return collective_seconds(transfer.kind, topology.spans[transfer.mesh_dim], transfer.nbytes, profile)
+
+
+def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
+    """Indices ``i`` where transfers i and i+1 are all-gathers on the two dims of a 2-D mesh with
+    nothing between them: the gather-fusion pass runs them as one all-gather over the whole mesh."""
+    return {
+        i
+        for i, (a, b) in enumerate(itertools.pairwise(transfers))
+        if ndim == 2 and a.kind == b.kind == "all_gather" and a.mesh_dim != b.mesh_dim
+    }
+
+
+def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile) -> float:
+    """A redistribution's time. Gather pairs that the fusion pass merges are priced as the one
+    collective that runs (over the flattened mesh), plus the local chunk transpose it needs when
+    the outer mesh dim was gathered first."""
+    fused = fused_gather_pairs(transfers, len(topology.shape))
+    total, skip = 0.0, False
+    for i, t in enumerate(transfers):
+        if skip:
+            skip = False
+        elif i in fused:
+            total += collective_seconds("all_gather", topology.flat, transfers[i + 1].nbytes, profile)
+            if t.mesh_dim < transfers[i + 1].mesh_dim:
+                total += transfer_seconds(Transfer("relayout", 0, transfers[i + 1].made), topology, profile)
+            skip = True
+        else:
+            total += transfer_seconds(t, topology, profile)
+    return total
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -421,9 +433,7 @@ class CostModel:
         key = redistribute_key(src, dst, meta)
         if key not in self._costs:
             plan = self._plan(src, dst, meta)
-            self._costs[key] = (
-                math.inf if plan is None else sum(transfer_seconds(t, self.topology, self.profile) for t in plan)
-            )
+            self._costs[key] = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile)
         return self._costs[key]
 
     def redistribute_peak_bytes(self, src: Placements, dst: Placements, meta: TensorMeta) -> int:
@@ -444,6 +454,10 @@ class CostModel:
         if plan is None:
             raise UnsupportedRedistribution(f"DTensor cannot redistribute {tuple(src)} -> {tuple(dst)}")
         return tuple((t.kind, t.mesh_dim) for t in plan if t.kind != "relayout")
+
+    def ideal_seconds(self, flops: float, dtype: torch.dtype) -> float:
+        """``flops`` at the peak rate of ``dtype`` on every device of the mesh at once."""
+        return flops / (self.profile.flops_for(dtype) * math.prod(self.topology.shape))
 
     def compute_cost(
         self,

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autoplan import overlap
 from autoplan.adapters.dtensor import tensor_meta
+from autoplan.clustering import layer_instances
 from autoplan.costs import CostModel
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
-from autoplan.problem import PlacementProblem, strategy_costs
+from autoplan.problem import PlacementProblem, ideal_seconds, strategy_costs
 from autoplan.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
-from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph
+from autoplan.tracing import PATH_KEY, TracedGraph
 
 
 def expand_choice(tg: TracedGraph, problem: PlacementProblem, choice: dict[fx.Node, int]) -> dict[fx.Node, Strategy]:
@@ -58,21 +60,24 @@ def _compute_key(n: fx.Node, s: Strategy) -> tuple:
     return (n.target, metas, outs, consts, s)
 
 
-def _phase(n: fx.Node) -> str:
-    return n.meta.get(PHASE_KEY, "backward")
-
-
 def evaluate(
     tg: TracedGraph,
     chosen: dict[fx.Node, Strategy],
     cost_model: CostModel,
     fixed_outputs: dict[int, Placements],
     rules: dict[fx.Node, str],
+    budget: dict[str, float],
 ) -> Evaluation:
+    """Price ``chosen``; ``budget``: per overlap segment, the compute communication hides under."""
     compute_cache: dict[tuple, float] = {}
+    ideal_cache: dict[tuple, float] = {}
     nodes: dict[str, NodePlan] = {}
     redistributions: list[Redistribution] = []
     totals = {"compute_forward": 0.0, "compute_backward": 0.0, "comm_forward": 0.0, "comm_backward": 0.0}
+    instance = {n: i for n, (i, _) in layer_instances(tg).items()}
+    params, early = frozenset(tg.placeholder_for("param").values()), overlap.parameter_only(tg)
+    seg_comm: dict[str, float] = defaultdict(float)
+    ideal = 0.0
 
     for n, s in chosen.items():
         compute = 0.0
@@ -80,13 +85,17 @@ def evaluate(
             key = _compute_key(n, s)
             if key not in compute_cache:
                 compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
+            op_key = _compute_key(n, None)
+            if op_key not in ideal_cache:
+                ideal_cache[op_key] = ideal_seconds(n, cost_model)
             compute = compute_cache[key]
-            totals[f"compute_{_phase(n)}"] += compute
+            ideal += ideal_cache[op_key]
+            totals[f"compute_{overlap.phase(n)}"] += compute
         nodes[n.name] = NodePlan(
             name=n.name,
             op=_op_name(n),
             module=n.meta.get(PATH_KEY, ""),
-            phase=_phase(n) if n.op != "placeholder" else "",
+            phase=overlap.phase(n) if n.op != "placeholder" else "",
             outputs=s.outputs,
             inputs=s.inputs,
             compute_s=compute,
@@ -102,7 +111,11 @@ def evaluate(
         collectives = cost_model.redistribute_collectives(src, dst, meta)
         redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase))
         totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
-    return Evaluation(nodes, redistributions, CostBreakdown(**totals))
+        seg = _hiding_segment(e, instance, params, early)
+        if seg is not None:
+            seg_comm[seg] += seconds
+    hidden = overlap.hidden_seconds(budget, seg_comm)
+    return Evaluation(nodes, redistributions, CostBreakdown(**totals, hidden_comm=hidden, ideal_compute=ideal))
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,7 @@ def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict
     edges = []
     for n in chosen:
         if n.op == "call_function" and n.target is not operator.getitem:
-            edges += [_Edge(*value_of(a), a, n, j, n.name, _phase(n)) for j, a in enumerate(tensor_inputs(n))]
+            edges += [_Edge(*value_of(a), a, n, j, n.name, overlap.phase(n)) for j, a in enumerate(tensor_inputs(n))]
     params = tg.placeholder_for("param")
     for fqn, g in tg.outputs_of("grad_param").items():
         if g is not None:
@@ -138,6 +151,15 @@ def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict
             dst = None if i in fixed_outputs else tangents[i]
             edges.append(_Edge(*value_of(o), o, dst, None, f"output:{i}", "forward", fixed_outputs.get(i)))
     return edges
+
+
+def _hiding_segment(e: _Edge, instance: dict, params: frozenset, early: frozenset) -> str | None:
+    """The overlap segment whose compute ``e``'s move can hide under, ``None`` if it cannot."""
+    reader = e.dst if e.slot is not None or e.dst in params else None
+    if not overlap.hideable(e.src, reader, params, early):
+        return None
+    at = overlap.charged_to(e.src, reader, params)
+    return overlap.segment(instance.get(at, ""), overlap.phase(at))
 
 
 def _ends(e: _Edge, strategy_of: Callable[[fx.Node], Strategy]) -> tuple:
@@ -162,28 +184,53 @@ def alternatives(
     options: dict[fx.Node, tuple[Strategy, ...]],
     cost_model: CostModel,
     fixed_outputs: dict[int, Placements],
+    budget: dict[str, float],
     keep: int = 3,
 ) -> dict[str, tuple[float, tuple[Alternative, ...]]]:
     """Per node: the chosen strategy's redistribution seconds (into and out of it) and the ``keep``
-    cheapest other strategies, each priced with every other node's choice kept. This is the local
-    view ``explain`` needs (why this node, given its neighbours); pins and the memory budget are not
-    applied to the alternatives. Identical layers are priced once."""
+    cheapest other strategies, each priced with every other node's choice kept: ``delta_s`` is what
+    the step would change by, overlap included (a move that hides under its layer's ``budget``
+    costs only what spills over). This is the local view ``explain`` needs (why this node, given its
+    neighbours); pins and the memory budget are not applied to the alternatives. Identical layers
+    are priced once."""
+    instance = {n: i for n, (i, _) in layer_instances(tg).items()}
+    params, early = frozenset(tg.placeholder_for("param").values()), overlap.parameter_only(tg)
     touching: dict[fx.Node, list[_Edge]] = defaultdict(list)
+    segment_of: dict[_Edge, str | None] = {}
+    hideable: dict[str, float] = defaultdict(float)
     for e in _edges(tg, chosen, fixed_outputs):
         touching[e.src].append(e)
         if e.dst is not None:
             touching[e.dst].append(e)
+        segment_of[e] = seg = _hiding_segment(e, instance, params, early)
+        src, dst = _ends(e, chosen.__getitem__)
+        if seg is not None and src != dst:
+            hideable[seg] += cost_model.redistribute_cost(src, dst, tensor_meta(e.value.meta["val"]))
 
     def end(e: _Edge, n: fx.Node, s: Strategy) -> tuple:
         return _ends(e, lambda x: s if x is n else chosen[x])
 
-    def comm(n: fx.Node, s: Strategy, metas: list) -> float:
-        total = 0.0
+    def comm(n: fx.Node, s: Strategy, metas: list) -> tuple[float, float, dict[str, float]]:
+        """Seconds of ``n``'s moves under ``s``: in all, exposed, and hideable per segment."""
+        total, exposed, by_segment = 0.0, 0.0, defaultdict(float)
         for e, meta in zip(touching[n], metas):
             src, dst = end(e, n, s)
             if src != dst:
-                total += cost_model.redistribute_cost(src, dst, meta)
-        return total
+                seconds = cost_model.redistribute_cost(src, dst, meta)
+                total += seconds
+                if segment_of[e] is None:
+                    exposed += seconds
+                else:
+                    by_segment[segment_of[e]] += seconds
+        return total, exposed, by_segment
+
+    def paid(exposed: float, by_segment: dict[str, float], base: dict[str, float]) -> float:
+        """Exposed seconds with the hideable moves ``by_segment`` in place of ``base``'s."""
+        spill = 0.0
+        for seg in {*by_segment, *base}:
+            moved = hideable[seg] - base.get(seg, 0.0) + by_segment.get(seg, 0.0)
+            spill += max(0.0, moved - budget.get(seg, 0.0))
+        return exposed + spill
 
     memo: dict[tuple, tuple[float, tuple[Alternative, ...]]] = {}
     out = {}
@@ -193,21 +240,23 @@ def alternatives(
         opts = options.get(n, ())
         context = tuple(
             (e.src is n, e.k, e.slot, end(e, n, s0), tuple(e.value.meta["val"].shape), e.value.meta["val"].dtype)
+            + ((hideable[segment_of[e]], budget.get(segment_of[e], 0.0)) if segment_of[e] else ())
             for e in touching[n]
         )
         key = (_node_key(n), s0, hash(opts), context)
         if key not in memo:
             metas = [tensor_meta(e.value.meta["val"]) for e in touching[n]]
             compute = strategy_costs(n, (s0, *opts), cost_model)  # the op's FLOPs worked out once
-            base_comm = comm(n, s0, metas)
-            base = float(compute[0]) + base_comm
+            base_comm, base_exposed, base_segments = comm(n, s0, metas)
+            base = float(compute[0]) + paid(base_exposed, base_segments, base_segments)
             priced = []
             for i, s in enumerate(opts):
                 if s == s0:
                     continue
-                c, m = float(compute[i + 1]), comm(n, s, metas)
-                if c + m < float("inf"):
-                    priced.append((c + m, i, Alternative(s.outputs, s.inputs, c, m, c + m - base)))
+                c, (m, exposed, segments) = float(compute[i + 1]), comm(n, s, metas)
+                step = c + paid(exposed, segments, base_segments)
+                if step < float("inf"):
+                    priced.append((step, i, Alternative(s.outputs, s.inputs, c, m, step - base)))
             priced.sort(key=lambda t: t[:2])
             memo[key] = (base_comm, tuple(a for *_, a in priced[:keep]))
         out[n.name] = memo[key]
@@ -219,7 +268,8 @@ def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: d
     redistributions and costs are computed again from scratch rather than patched."""
     nodes = [n for n in tg.gm.graph.nodes if n.op != "output"]
     chosen = {n: Strategy(plan.nodes[n.name].outputs, plan.nodes[n.name].inputs) for n in nodes}
-    ev = evaluate(tg, chosen, cost_model, fixed_outputs, {n: plan.nodes[n.name].rule for n in chosen})
+    rules = {n: plan.nodes[n.name].rule for n in chosen}
+    ev = evaluate(tg, chosen, cost_model, fixed_outputs, rules, plan.overlap_budget)
     return dataclasses.replace(
         plan,
         nodes=ev.nodes,

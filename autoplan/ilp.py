@@ -118,6 +118,9 @@ def undominated(
     for option in options:
         for u, c in option.seconds.units.items():
             signature[u].append(c)
+    for seg in problem.overlap:
+        for u, c in seg.hideable.units.items():
+            signature[u].append(c)
     kept = {}
     for u in problem.units:
         cost = problem.unit_cost[u]
@@ -216,6 +219,18 @@ def _recompute_rows(
     return r, w
 
 
+def _overlap_rows(b: ModelBuilder, problem: PlacementProblem, terms, weight: float = 1.0) -> np.ndarray:
+    """Per overlap segment, ``h <= budget`` and ``h <= hideable(x, e)``, with ``-h`` in the
+    objective: the solve pushes ``h`` up to the lesser of the two. Returns the ``h`` columns."""
+    budgets = [seg.budget * SCALE for seg in problem.overlap]
+    h = b.add_vars(len(problem.overlap), cost=-weight, lb=0.0, ub=budgets, integer=False)  # microseconds
+    for col, seg in zip(h, problem.overlap):
+        cols, vals, _, _ = terms(seg.hideable)
+        row = np.zeros(len(cols) + 1, dtype=np.int64)
+        b.add_rows(row, np.r_[col, cols], np.r_[1.0, -vals * SCALE], lo=-np.inf, hi=0.0)
+    return h
+
+
 def _recompute_bytes(b: ModelBuilder, budget: BudgetRow, r: np.ndarray, terms) -> tuple[list, list]:
     """For one budget row, ``s_i <= frees(x)``, ``s_i <= M r_i`` and ``a_i >= keeps(x) - M (1 - r_i)``;
     returns the row's extra columns and values (``-s_i``, ``+a_i``)."""
@@ -300,6 +315,7 @@ def solve_placement(
     n_edge, edge_costs, edge_columns = _edge_rows(b, problem, offsets, kept, weight)
     terms = lambda lin: _terms(lin, offsets, kept, edge_columns)  # noqa: E731
     r, w = _recompute_rows(b, list(options), terms, weight) if options else (np.zeros(0, np.int64),) * 2
+    hidden = _overlap_rows(b, problem, terms, weight)
     peak = b.add_vars(1, cost=1.0, lb=0.0, ub=np.inf, integer=False) if smallest_peak else None
 
     for f in fixed:
@@ -350,6 +366,7 @@ def solve_placement(
     e_cost = float(edge_costs @ x[n_x : n_x + n_edge]) if n_edge else 0.0
     recomputed = tuple(o.name for o, col in zip(options, r) if x[col] > 0.5)
     w_cost = float(sum(x[col] for col in w)) / SCALE
+    h_cost = float(sum(x[col] for col in hidden)) / SCALE
     return UnitChoice(
         choice=choice,
         recompute=recomputed,
@@ -359,7 +376,7 @@ def solve_placement(
         n_rows=model.n_rows,
         n_edge_vars=n_edge,
         n_dropped=sum(len(problem.unit_cost[u]) - len(kept[u]) for u in problem.units),
-        objective_without_tie_break=x_cost + e_cost + w_cost,
+        objective_without_tie_break=x_cost + e_cost + w_cost - h_cost,
         build_time=t1 - t_seed,
         solve_time=t2 - t1 + t_seed - t0,
     )

@@ -105,10 +105,25 @@ class CostBreakdown:
     comm_forward: float
     comm_backward: float
     recompute: float = 0.0  # forward ops the backward runs again (compute and input moves)
+    hidden_comm: float = 0.0  # communication that runs under compute (``autoplan.overlap``)
+    ideal_compute: float = 0.0  # the step's model FLOPs at the devices' peak rate, spread over all of them
+
+    @property
+    def comm(self) -> float:
+        return self.comm_forward + self.comm_backward
+
+    @property
+    def exposed_comm(self) -> float:
+        return self.comm - self.hidden_comm
 
     @property
     def total(self) -> float:
-        return self.compute_forward + self.compute_backward + self.comm_forward + self.comm_backward + self.recompute
+        return self.compute_forward + self.compute_backward + self.exposed_comm + self.recompute
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation the estimate implies: model FLOPs / (devices x peak x step)."""
+        return self.ideal_compute / self.total if self.total > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +158,8 @@ class Plan:
     layer_classes: list[list[str]] = field(default_factory=list)
     passes: dict[str, int] = field(default_factory=dict)  # what the post-solve passes did when applied
     recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute option (``autoplan.recompute``)
+    # per layer and phase: the compute its prefetches and gradient reductions can hide under, s
+    overlap_budget: dict[str, float] = field(default_factory=dict)
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -159,7 +176,8 @@ class Plan:
             f"autoplan plan on mesh {self._mesh_label()} for {self.device}",
             f"estimated step: {self.cost.total * 1e3:.2f} ms  (compute fwd {self.cost.compute_forward * 1e3:.2f}"
             f" / bwd {self.cost.compute_backward * 1e3:.2f}, comm fwd {self.cost.comm_forward * 1e3:.2f}"
-            f" / bwd {self.cost.comm_backward * 1e3:.2f}, recompute {self.cost.recompute * 1e3:.2f})",
+            f" / bwd {self.cost.comm_backward * 1e3:.2f} of which {self.cost.hidden_comm * 1e3:.2f} under compute,"
+            f" recompute {self.cost.recompute * 1e3:.2f}); MFU {self.cost.mfu:.1%}",
             f"recompute: {_recompute_line(self.recompute)}",
             f"memory per device: params {_gib(self.memory.param_bytes)}, grads {_gib(self.memory.grad_bytes)},"
             f" optimizer {_gib(self.memory.optimizer_bytes)}, activations saved {_gib(self.memory.activation_bytes)}",
@@ -296,6 +314,7 @@ class Plan:
             layer_classes=d["layer_classes"],
             passes=d.get("passes", {}),
             recompute=d.get("recompute", {}),
+            overlap_budget=d.get("overlap_budget", {}),
         )
 
     @classmethod
@@ -455,7 +474,16 @@ def _explain_node(node: NodePlan) -> list[str]:
     return lines
 
 
-_COST_FIELDS = ("compute_forward", "compute_backward", "comm_forward", "comm_backward", "recompute", "total")
+_COST_FIELDS = (
+    "compute_forward",
+    "compute_backward",
+    "comm_forward",
+    "comm_backward",
+    "hidden_comm",
+    "exposed_comm",
+    "recompute",
+    "total",
+)
 
 
 @dataclass(frozen=True)

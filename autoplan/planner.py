@@ -20,10 +20,11 @@ import numpy as np
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan import memory, recompute
+from autoplan import memory, overlap, recompute
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering, untie
-from autoplan.costs import CostModel, DeviceProfile, local_bytes
+from autoplan.costs import CostModel, local_bytes
+from autoplan.devices import DeviceProfile
 from autoplan.errors import ConstraintError, InfeasiblePlanError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
@@ -299,11 +300,14 @@ class Planner:
         start_recompute: tuple[str, ...] = (),
         polish_s: float = POLISH_S,
         seed_only: bool = False,
+        least: dict[fx.Node, float] | None = None,
     ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
         """Build and solve the ILP for one clustering; returns the solve and every node's strategy
         (``diagnose``: name the conflicting constraints of an infeasible one; ``polish_s``: see
-        ``solve_placement``)."""
-        problem = build_problem(self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers)
+        ``solve_placement``; ``least``: see ``build_problem``)."""
+        problem = build_problem(
+            self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers, least
+        )
         options = self._options(problem, request, cost_model)
         budgets = self._peak_rows(problem, request, steps, options)
         if request.param_budget is not None:
@@ -462,13 +466,14 @@ class Planner:
             self._bound(steps, t, missed)
         return least
 
-    def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit):
+    def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit, least):
         """Solve again with the layers of ``group`` deciding on their own.
 
         Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
         one layer plus the nodes outside repeated layers, which are free to meet the group halfway.
         Recompute choices stay as the main solve made them. Under a peak cap the re-solve is bounded
-        in rounds like the main solve. Returns the split clustering and the solve.
+        in rounds like the main solve. ``least``: each base representative's fastest compute (the
+        fixed layers' own strategies no longer show it). Returns the split clustering and the solve.
         """
         split = untie(clustering, group)
         tied = {i for c in self.clustering.classes for i in c} - set(group)
@@ -485,8 +490,12 @@ class Planner:
             pins = {**{layer: NO_RECOMPUTE for layer in self.layers}, **_choice(recomputed)}
             pinned = dataclasses.replace(request, recompute=pins)
 
+        own_least = {n: least[self.clustering.rep[n]] for n in strategies}
+
         def solve_with(steps):
-            return self._solve(pinned, split, strategies, cost_model, steps, time_limit, start=chosen, diagnose=False)
+            return self._solve(
+                pinned, split, strategies, cost_model, steps, time_limit, start=chosen, diagnose=False, least=own_least
+            )
 
         return split, self._solve_within_peak(request, solve_with, steps)
 
@@ -510,7 +519,9 @@ class Planner:
             if left is not None and left <= 0:
                 break
             try:
-                split, re = self._refine(request, clustering, group, chosen, recomputed, cost_model, steps, left)
+                split, re = self._refine(
+                    request, clustering, group, chosen, recomputed, cost_model, steps, left, problem.least_compute
+                )
             except (SolverTimeoutError, InfeasibleError):  # the group's own bounds may not meet a cap
                 break
             gain = objective - re.solved.objective_without_tie_break
@@ -523,8 +534,9 @@ class Planner:
         choice = _choice(recomputed)
         reps = self.clustering.rep
         rules = {n: self.strategies[reps[n]].source for n in chosen if reps[n] in self.strategies}
-        ev = evaluate(tg, chosen, cost_model, request.outputs, rules)
-        why = alternatives(tg, chosen, self._explain_options(request, rules), cost_model, request.outputs)
+        budget = overlap.budgets(tg, lambda n: problem.least_compute.get(reps[n], 0.0))
+        ev = evaluate(tg, chosen, cost_model, request.outputs, rules, budget)
+        why = alternatives(tg, chosen, self._explain_options(request, rules), cost_model, request.outputs, budget)
         nodes = {
             k: dataclasses.replace(v, comm_s=why[k][0], alternatives=why[k][1]) if k in why else v
             for k, v in ev.nodes.items()
@@ -582,6 +594,7 @@ class Planner:
             timings=timings,
             layer_classes=[list(c) for c in clustering.classes],
             recompute=dict(sorted(choice.items(), key=lambda kv: _layer_key(kv[0]))),
+            overlap_budget=budget,
         )
 
     def _explain_options(self, request: Request, nodes) -> dict[fx.Node, tuple]:

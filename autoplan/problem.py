@@ -10,6 +10,7 @@ Every remaining edge is grouped by the *placements* on each side rather than by 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
@@ -19,9 +20,10 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autoplan import overlap
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering
-from autoplan.costs import CostModel, Price, node_flops
+from autoplan.costs import CostModel, Price, compute_dtype, node_flops
 from autoplan.progress import progress
 from autoplan.strategies import (
     NodeStrategies,
@@ -40,16 +42,29 @@ def is_free(node: fx.Node) -> bool:
     return node.op != "call_function" or aliases_input(node)
 
 
+def _flops(node: fx.Node) -> float:
+    to_val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+    args = torch.utils._pytree.tree_map(to_val, node.args)
+    kwargs = torch.utils._pytree.tree_map(to_val, node.kwargs)
+    return node_flops(node.target, args, kwargs, node.meta.get("val"))
+
+
+def ideal_seconds(node: fx.Node, cost_model: CostModel) -> float:
+    """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""
+    if is_free(node):
+        return 0.0
+    metas = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
+    metas += [tensor_meta(v) for v in output_vals(node) if isinstance(v, torch.Tensor)]
+    return cost_model.ideal_seconds(_flops(node), compute_dtype(metas))
+
+
 def strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
     """Per-rank compute seconds of each strategy of ``node``."""
     if is_free(node):  # placeholders, getitems, views: no kernel
         return np.zeros(len(strategies))
     ins = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
     outs = [(i, tensor_meta(v)) for i, v in enumerate(output_vals(node)) if isinstance(v, torch.Tensor)]
-    to_val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
-    args = torch.utils._pytree.tree_map(to_val, node.args)
-    kwargs = torch.utils._pytree.tree_map(to_val, node.kwargs)
-    flops = node_flops(node.target, args, kwargs, node.meta.get("val"))
+    flops = _flops(node)
     return np.array(
         [
             cost_model.compute_cost(
@@ -89,6 +104,8 @@ class PlacementProblem:
     clustering: Clustering
     n_merged: int = 0
     group_index: dict[tuple, int] = field(default_factory=dict)  # edge key -> index in ``edges``
+    overlap: list[OverlapSegment] = field(default_factory=list)
+    least_compute: dict[fx.Node, float] = field(default_factory=dict)  # representative -> its fastest strategy's s
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,16 @@ class Linear:
             self.add_unit(unit, values)
         for group, values in other.edges.items():
             self.add_edge(group, values)
+
+
+@dataclass(frozen=True)
+class OverlapSegment:
+    """One layer (its copies together) in one phase (``autoplan.overlap``): it hides up to the
+    lesser of its compute ``budget`` and its ``hideable`` seconds, linear in the choice."""
+
+    name: str
+    budget: float
+    hideable: Linear
 
 
 @dataclass(frozen=True)
@@ -364,15 +391,25 @@ def build_problem(
     cost_model: CostModel,
     fixed_outputs: dict[int, Placements],
     merge: bool = True,
+    least: dict[fx.Node, float] | None = None,
 ) -> PlacementProblem:
+    """``least``: each node's compute at its fastest strategy (``OverlapSegment.budget``), where
+    ``strategies`` were narrowed (a re-solve fixing some layers); else worked out from them."""
     follow = merge_followers(tg, clustering, strategies) if merge else {}
     root = resolve_roots(strategies, follow)
     strats = {n: ns.strategies for n, ns in strategies.items()}
     units = [n for n in strategies if root[n][0] is n]
     unit_cost = {u: np.zeros(len(strats[u])) for u in units}
+    where, params = clustering.instance, frozenset(tg.placeholder_for("param").values())
+    early = overlap.parameter_only(tg)
+    budget: dict[str, float] = defaultdict(float)
+    least = dict(least or {})
     for v, ss in strats.items():
         unit, m = root[v]
-        unit_cost[unit] += (strategy_costs(v, ss, cost_model) * clustering.multiplicity[v])[m]
+        seconds = strategy_costs(v, ss, cost_model)
+        unit_cost[unit] += (seconds * clustering.multiplicity[v])[m]
+        least.setdefault(v, overlap.least(seconds))
+        budget[overlap.segment(where.get(v, ""), overlap.phase(v))] += least[v] * clustering.multiplicity[v]
 
     edge_mult = graph_edges(tg, clustering)
     out_edges, sinks = output_sinks(tg, clustering, fixed_outputs)
@@ -380,9 +417,15 @@ def build_problem(
         edge_mult[key] += mult
 
     groups: dict[tuple, EdgeGroup] = {}
+    hideable: list[tuple[str, _Edge]] = []
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
         edge = _edge(strats, root, cost_model.redistribute_cost, ur, k, cr, slot)
         cost = edge.cost * mult
+        reader = cr if slot != "out" or cr in params else None
+        if overlap.hideable(ur, reader, params, early):
+            at = overlap.charged_to(ur, reader, params)
+            name = overlap.segment(where.get(at, ""), overlap.phase(at))
+            hideable.append((name, dataclasses.replace(edge, cost=cost)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)
         elif edge.key in groups:
@@ -400,7 +443,7 @@ def build_problem(
     forbidden = {u: ~np.isfinite(c) for u, c in unit_cost.items()}
     for u, c in unit_cost.items():
         c[forbidden[u]] = 0.0
-    return PlacementProblem(
+    problem = PlacementProblem(
         units=units,
         strategies=strats,
         unit_cost=unit_cost,
@@ -411,6 +454,12 @@ def build_problem(
         n_merged=len(follow),
         group_index={key: i for i, key in enumerate(groups)},
     )
+    comm: dict[str, Linear] = defaultdict(Linear)
+    for name, edge in hideable:
+        _add_edge(comm[name], problem, edge)
+    problem.overlap = [OverlapSegment(name, budget[name], comm[name]) for name in sorted(comm)]
+    problem.least_compute = least
+    return problem
 
 
 def allowed_strategies(problem: PlacementProblem, node: fx.Node, placements: Placements) -> list[int]:

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel
-from autoplan.costs import DEVICE_PROFILES
+from autoplan.devices import DEVICE_PROFILES
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.workloads import fake_mesh, llama_batch, parse_mesh
 

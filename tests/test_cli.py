@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoplan import Plan
 from autoplan.cli import main
 
-PIN = "layers.*.attention.wo.weight=S(0)S(1)"
+PIN = "layers.*.attention.wo.weight=S(1)S(0)"
 
 
 def mlp_factory():
@@ -38,7 +38,7 @@ def test_plan_writes_a_plan_that_loads(plans, capsys):
     free, pinned = (Plan.from_json(p) for p in plans)
     assert free.mesh_shape == pinned.mesh_shape == (2, 4)
     wo = [p for f, p in pinned.param_placements.items() if f.endswith("attention.wo.weight")]
-    assert len(wo) == 2 and all(p == (Shard(0), Shard(1)) for p in wo)
+    assert len(wo) == 2 and all(p == (Shard(1), Shard(0)) for p in wo)
     # the default parameter budget is 1/ranks: every parameter is split
     assert all(any(isinstance(x, Shard) for x in p) for p in free.param_placements.values())
     assert main(["show", str(plans[0])]) == 0
@@ -51,7 +51,7 @@ def test_explain_and_diff(plans, capsys):
     assert "in layers.0.attention.wo [forward]" in text and "chosen" in text
     assert main(["diff", *map(str, plans)]) == 0
     text = capsys.readouterr().out
-    assert "layers.*.attention.wo.weight" in text and "-> S(0)S(1)  x2" in text
+    assert "layers.*.attention.wo.weight" in text and "-> S(1)S(0)  x2" in text
     with pytest.raises(SystemExit, match="no node or module 'layers.*.attn'"):
         main(["explain", str(plans[0]), "layers.*.attn"])
 

@@ -8,14 +8,17 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.costs import (
-    H100_SXM,
     CostModel,
-    LinkKind,
+    GroupSpan,
     MeshTopology,
     UnsupportedRedistribution,
+    collective_seconds,
+    flat_collective_seconds,
     local_bytes,
     node_flops,
 )
+from autoplan.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, resolve_profile
+from autoplan.errors import ConstraintError
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -39,7 +42,7 @@ def model() -> CostModel:
 )
 def test_topology_from_mesh(shape, gpus_per_node, links):
     init_fake_world()
-    assert MeshTopology.from_mesh(fake_mesh(shape), gpus_per_node) == MeshTopology(shape, links)
+    assert MeshTopology.from_mesh(fake_mesh(shape), gpus_per_node).links == links
 
 
 def test_profile_gpus_per_node_changes_links():
@@ -50,10 +53,11 @@ def test_profile_gpus_per_node_changes_links():
 
 
 def test_all_gather_matches_ring_formula(model):
+    """The ring's bytes; NVSwitch multicasts, so the latency is two steps, not seven."""
     m = meta(4096, 4096)
     full = 4096 * 4096 * 2
     bw = H100_SXM.intra_node_bandwidth * H100_SXM.bandwidth_efficiency
-    expected = 7 / 8 * full / bw + 7 * H100_SXM.intra_node_latency
+    expected = 7 / 8 * full / bw + 2 * H100_SXM.intra_node_latency
     assert model.redistribute_cost((R, Shard(0)), (R, R), m) == pytest.approx(expected)
     assert model.redistribute_collectives((R, Shard(0)), (R, R), m) == (("all_gather", 1),)
 
@@ -65,20 +69,25 @@ def test_inter_node_all_gather_costs_more(model):
     assert inter > 5 * intra
 
 
-def test_two_dim_gather_costs_more_than_one(model):
+def test_two_dim_gather_costs_more_than_its_inner_gather_and_less_than_its_network_gather(model):
+    """Gathering S(0)S(0) runs as one hierarchical gather over all 128 ranks, so it costs less than
+    gathering S(0)R across nodes, where all 8 ranks of a node fetch the same bytes over their NICs."""
     m = meta(4096, 4096)
     both = model.redistribute_cost((Shard(0), Shard(0)), (R, R), m)
-    one = model.redistribute_cost((Shard(0), R), (R, R), m)
-    assert both > one
+    inner = model.redistribute_cost((R, Shard(0)), (R, R), m)
+    outer = model.redistribute_cost((Shard(0), R), (R, R), m)
+    assert inner < both < outer
     assert model.redistribute_collectives((Shard(0), Shard(0)), (R, R), m) == (("all_gather", 1), ("all_gather", 0))
 
 
-def test_all_reduce_is_twice_reduce_scatter(model):
-    m = meta(8192, 4096)
-    for partial, sharded in (((R, P), (R, Shard(0))), ((P, R), (Shard(0), R))):
-        all_reduce = model.redistribute_cost(partial, (R, R), m)
-        reduce_scatter = model.redistribute_cost(partial, sharded, m)
-        assert all_reduce == pytest.approx(2 * reduce_scatter)
+def test_large_ring_all_reduce_is_twice_reduce_scatter_but_nvswitch_reduces_in_network(model):
+    m = meta(65536, 4096)
+    across = model.redistribute_cost((P, R), (R, R), m)
+    assert across == pytest.approx(2 * model.redistribute_cost((P, R), (Shard(0), R), m))
+    inside = model.redistribute_cost((R, P), (R, R), m)  # NVLS: each byte sent and received once
+    bw = H100_SXM.intra_node_bandwidth * H100_SXM.bandwidth_efficiency
+    assert inside == pytest.approx(65536 * 4096 * 2 / bw + 2 * H100_SXM.intra_node_latency)
+    assert inside < 2 * model.redistribute_cost((R, P), (R, Shard(0)), m)
 
 
 def test_all_to_all_moves_a_shard(model):
@@ -121,7 +130,7 @@ def test_size_one_mesh_dim_is_free():
 def test_cost_depends_on_dtype(model):
     bf16 = model.redistribute_cost((R, Shard(0)), (R, R), meta(4096, 4096))
     fp32 = model.redistribute_cost((R, Shard(0)), (R, R), meta(4096, 4096, dtype=torch.float32))
-    latency = 7 * H100_SXM.intra_node_latency
+    latency = 2 * H100_SXM.intra_node_latency
     assert fp32 - latency == pytest.approx(2 * (bf16 - latency))
 
 
@@ -288,3 +297,99 @@ def test_a_move_holds_its_result_and_the_buffers_around_its_collectives(model):
     assert model.redistribute_peak_bytes((Shard(0), Shard(0)), (R, R), m) == full // 16 + full
     # a local slice holds its (new) chunk
     assert model.redistribute_peak_bytes((R, R), (R, Shard(0)), m) == full // 8
+
+
+# ---- collective algorithms and topology ------------------------------------------------------
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+SPANS = [GroupSpan(8, 1), GroupSpan(1, 16), GroupSpan(8, 16), GroupSpan(4, 2)]
+
+
+@pytest.mark.parametrize("profile", sorted(DEVICE_PROFILES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_collectives_are_monotone_in_bytes_and_group_size(profile, kind):
+    profile = DEVICE_PROFILES[profile]
+    sizes = [2**k for k in range(8, 34, 3)]
+    for span in SPANS:
+        times = [collective_seconds(kind, span, b, profile) for b in sizes]
+        assert times == sorted(times) and times[0] < times[-1], (span, times)
+    # an all-to-all of a fixed tensor sends less per rank on more ranks: grow it with the group
+    scale = (lambda span: span.size) if kind == "all_to_all" else (lambda span: 1)
+    for grow in ((GroupSpan(2, 1), GroupSpan(4, 1), GroupSpan(8, 1)), (GroupSpan(1, 2), GroupSpan(1, 8))):
+        for b in (2**12, 2**30):
+            times = [collective_seconds(kind, span, b * scale(span), profile) for span in grow]
+            assert times == sorted(times), (kind, grow, b, times)
+    for per_node in (2, 8):  # more nodes of the same local size
+        spans = [GroupSpan(per_node, k) for k in (2, 4, 16)]
+        times = [collective_seconds(kind, span, 2**30 * scale(span), profile) for span in spans]
+        assert times == sorted(times), (kind, per_node, times)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_intra_node_is_cheaper_than_inter_node(kind):
+    for b in (2**16, 2**30):
+        inside = collective_seconds(kind, GroupSpan(8, 1), b, H100_SXM)
+        across = collective_seconds(kind, GroupSpan(1, 8), b, H100_SXM)
+        assert inside < across
+
+
+def test_a_group_spanning_nodes_runs_hierarchically():
+    b, n = 2**30, 128
+    spread = collective_seconds("all_gather", GroupSpan(8, 16), b, H100_SXM)
+    one_per_node = collective_seconds("all_gather", GroupSpan(1, n), b, H100_SXM)
+    net = H100_SXM.inter_node_bandwidth * H100_SXM.bandwidth_efficiency
+    nvl = H100_SXM.intra_node_bandwidth * H100_SXM.bandwidth_efficiency
+    expected = (
+        15 / 16 * b / 8 / net + 15 * H100_SXM.inter_node_latency + 7 / 8 * b / nvl + 7 * H100_SXM.intra_node_latency
+    )
+    assert spread == pytest.approx(expected)
+    assert collective_seconds("all_gather", GroupSpan(n, 1), b, H100_SXM) < spread < one_per_node / 4
+
+
+def test_tree_beats_ring_for_small_all_reduces():
+    net = H100_SXM.inter_node_bandwidth * H100_SXM.bandwidth_efficiency
+    lat = H100_SXM.inter_node_latency
+    n, small, large = 64, 2**12, 2**36
+    ring = 2 * (n - 1) / n * small / net + 2 * (n - 1) * lat
+    tree = 2 * small / net + 2 * 6 * lat
+    assert collective_seconds("all_reduce", GroupSpan(1, n), small, H100_SXM) == pytest.approx(tree)
+    assert tree < ring / 5
+    ring_large = 2 * (n - 1) / n * large / net + 2 * (n - 1) * lat
+    assert collective_seconds("all_reduce", GroupSpan(1, n), large, H100_SXM) == pytest.approx(ring_large)
+    assert flat_collective_seconds("all_reduce", n, large, net, lat) < 2 * large / net  # ring wins big messages
+
+
+def test_a_fused_gather_is_priced_as_one_collective_over_the_flattened_mesh(model):
+    m = meta(4096, 4096)
+    full = 4096 * 4096 * 2
+    fused = model.redistribute_cost((Shard(0), Shard(0)), (R, R), m)
+    assert fused == pytest.approx(collective_seconds("all_gather", model.topology.flat, full, H100_SXM))
+    chained = collective_seconds("all_gather", model.topology.spans[1], full / 16, H100_SXM) + collective_seconds(
+        "all_gather", model.topology.spans[0], full, H100_SXM
+    )
+    assert fused <= chained
+    assert model.topology.flat == GroupSpan(8, 16)
+    # a gather on a non-leading dim re-lays its chunks between the two gathers: nothing to fuse
+    wide = meta(8, 4096, 4096)
+    copies = [t for t in model._plan((Shard(1), Shard(1)), (R, R), wide) if t.kind == "relayout"]
+    assert copies
+    assert model.redistribute_cost((Shard(1), Shard(1)), (R, R), wide) > collective_seconds(
+        "all_gather", model.topology.flat, 8 * full, H100_SXM
+    )
+
+
+def test_profiles_by_name():
+    init_fake_world()
+    mesh = fake_mesh((2, 4))
+    for name, profile in DEVICE_PROFILES.items():
+        assert resolve_profile(name) is profile and resolve_profile(name.upper()) is profile
+        assert profile.flops_for(torch.bfloat16) > profile.flops_for(torch.float64) or name == "cpu"
+    assert resolve_profile(B200) is B200
+    with pytest.raises(ConstraintError, match="unknown device profile 'h800'.*h100"):
+        resolve_profile("h800")
+    m = meta(4096, 4096)
+    costs = {
+        n: CostModel(mesh, resolve_profile(n)).redistribute_cost((R, Shard(0)), (R, R), m)
+        for n in ("a100", "h100", "b200")
+    }
+    assert costs["b200"] < costs["h100"] < costs["a100"]

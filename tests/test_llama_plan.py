@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 from conftest import fake_mesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoplan import AutoParallel
 from autoplan.adapters.dtensor import make_spec, propagate_output_placements, tensor_meta
-from autoplan.clustering import find_repeats
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.strategies import _OWN_RULES
 
@@ -88,26 +87,22 @@ def four_layers_budget():
     return plan_llama(n_layers=4)
 
 
-def test_first_layer_is_refined_on_its_own(four_layers_budget):
-    """Under a parameter budget the first layer gains from differing: its input gradient ends in the
-    embedding backward, which takes a Partial sum the middle layers would have to reduce."""
-    plan, traced, _ = four_layers_budget
+def test_boundary_layers_are_re_solved_on_their_own(four_layers_budget):
+    """The first and last layers, tied to the middle ones for the main solve, are each re-solved on
+    their own against the rest: optimal, never worse than the tied plan (it is their start), kept
+    only when they gain, and the reported cost is the plan's. (Under the overlap-aware costs the
+    first layer's Partial-sum gradient no longer pays off on this model: its moves hide.)"""
+    plan, _, _ = four_layers_budget
     first, last = plan.ilp["refinements"]
-    assert first["layers"] == ["layers.0"] and first["kept"] and first["gain_s"] > 0 and first["status"] == "optimal"
-    assert last["layers"] == ["layers.3"] and not last["kept"]
-    assert "layers.0 (-" in plan.summary() and "layers.3 (no gain)" in plan.summary()
-    assert max(first["n_vars"], last["n_vars"]) < 1.1 * plan.ilp["n_vars"]
-    # layers.0 decides on its own now; the reported cost is the refined plan's
-    assert plan.layer_classes == [["layers.1", "layers.2", "layers.3"]]
+    assert first["layers"] == ["layers.0"] and last["layers"] == ["layers.3"]
+    for r in (first, last):
+        assert r["status"] == "optimal" and r["gain_s"] >= -1e-9 * plan.cost.total
+        assert r["kept"] == (r["gain_s"] > 1e-9 * plan.cost.total)
+        assert r["n_vars"] < 1.1 * plan.ilp["n_vars"]
+    kept = [r["layers"][0] for r in (first, last) if r["kept"]]
+    assert all(f"{layer} (-" in plan.summary() for layer in kept)
+    assert [i for c in plan.layer_classes for i in c if i in kept] == []
     assert math.isclose(plan.ilp["objective"], plan.cost.total, rel_tol=1e-9)
-    clustering = find_repeats(traced)
-    layer0, layer1 = (
-        [n for n in traced.gm.graph.nodes if clustering.instance.get(n) == i] for i in ("layers.0", "layers.1")
-    )
-    choice = lambda n: (plan.nodes[n.name].outputs, plan.nodes[n.name].inputs)  # noqa: E731
-    differs = [a for a, b in zip(layer0, layer1) if a.name in plan.nodes and choice(a) != choice(b)]
-    # the first layer keeps a gradient as a Partial sum where the middle layers reduce it
-    assert any(isinstance(p, Partial) for a in differs for p in plan.nodes[a.name].outputs[0] or ())
 
 
 @pytest.mark.slow

@@ -1,0 +1,182 @@
+"""Target device profiles: the performance facts the cost model prices a plan with.
+
+The planning host is a CPU; every number here describes the *target* accelerators, so nothing is
+read from local devices. Each profile names its public source. Rates are per GPU, dense (no
+sparsity); link bandwidths are per direction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from autoplan.errors import ConstraintError
+
+
+class LinkKind(enum.Enum):
+    INTRA_NODE = "nvlink"
+    INTER_NODE = "network"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Performance facts of one target accelerator model and its interconnect (all rates per device)."""
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]  # (dtype name, dense FLOP/s); a tuple so the profile stays hashable
+    hbm_bandwidth: float  # bytes/s
+    intra_node_bandwidth: float  # bytes/s per device per direction (NVLink/NVSwitch, Infinity Fabric)
+    inter_node_bandwidth: float  # bytes/s per device per direction (its own NIC)
+    intra_node_latency: float  # s per collective step
+    inter_node_latency: float  # s per collective step
+    gpus_per_node: int
+    memory_bytes: int
+    compute_efficiency: float  # achievable fraction of peak FLOPs
+    bandwidth_efficiency: float  # achievable fraction of HBM / link bandwidth
+    kernel_launch: float  # floor per launched kernel, s
+    nvls: bool = False  # the node's switch reduces in-network (NVLink SHARP): all-reduce moves each byte once
+
+    def flops_for(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s for ``dtype``; unlisted dtypes (ints, bool, complex) get the slowest listed rate, to be safe."""
+        rates = dict(self.peak_flops)
+        return rates.get(dtype_name(dtype), min(rates.values()))
+
+    def link_bandwidth(self, link: LinkKind) -> float:
+        """Achievable bytes/s per device on ``link``."""
+        raw = self.intra_node_bandwidth if link is LinkKind.INTRA_NODE else self.inter_node_bandwidth
+        return raw * self.bandwidth_efficiency
+
+    def link_latency(self, link: LinkKind) -> float:
+        return self.intra_node_latency if link is LinkKind.INTRA_NODE else self.inter_node_latency
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# NVIDIA H100 SXM5 80GB. Source: NVIDIA H100 Tensor Core GPU datasheet (dense figures are half the
+# "with sparsity" ones): bf16/fp16 989 TFLOPS, fp8 1979, fp64 67; HBM3 3.35 TB/s; NVLink 4 900 GB/s
+# both directions; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU. float32 is the CUDA-core rate, not
+# TF32: PyTorch's default float32_matmul_precision="highest" keeps fp32 matmuls off tensor cores.
+# Efficiencies: large bf16 GEMMs reach ~60 % of peak, HBM/NVLink/network streams ~80 %. Latencies:
+# ~5 us per NCCL step over NVSwitch, ~15 us over InfiniBand/RoCE; ~4 us per kernel launch. The
+# third-generation NVSwitch reduces in the switch (NVLS), which NCCL uses for intra-node all-reduce.
+H100_SXM = DeviceProfile(
+    name="H100-SXM5-80GB",
+    peak_flops=(
+        ("float8_e4m3fn", 1979e12),
+        ("float8_e5m2", 1979e12),
+        ("bfloat16", 989e12),
+        ("float16", 989e12),
+        ("float32", 67e12),
+        ("float64", 67e12),
+    ),
+    hbm_bandwidth=3.35e12,
+    intra_node_bandwidth=450e9,
+    inter_node_bandwidth=50e9,
+    intra_node_latency=5e-6,
+    inter_node_latency=15e-6,
+    gpus_per_node=8,
+    memory_bytes=80 * 2**30,
+    compute_efficiency=0.6,
+    bandwidth_efficiency=0.8,
+    kernel_launch=4e-6,
+    nvls=True,
+)
+# NVIDIA H200 SXM. Source: NVIDIA H200 Tensor Core GPU datasheet: the H100's compute and NVLink 4
+# with 141 GB of HBM3e at 4.8 TB/s.
+H200_SXM = dataclasses.replace(H100_SXM, name="H200-SXM-141GB", hbm_bandwidth=4.8e12, memory_bytes=141 * 10**9)
+# NVIDIA A100 SXM4 80GB. Source: NVIDIA A100 Tensor Core GPU datasheet: bf16 312 TFLOPS dense,
+# fp32 19.5; HBM2e 2,039 GB/s; NVLink 3 600 GB/s both directions (second-generation NVSwitch: no
+# in-switch reduction); DGX A100: one 200 Gb/s HDR NIC per GPU. No fp8.
+A100_SXM = dataclasses.replace(
+    H100_SXM,
+    name="A100-SXM4-80GB",
+    peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12), ("float64", 19.5e12)),
+    hbm_bandwidth=2.039e12,
+    intra_node_bandwidth=300e9,
+    inter_node_bandwidth=25e9,
+    nvls=False,
+)
+# NVIDIA B200 in HGX B200 (1,000 W). Source: NVIDIA HGX B200 datasheet (per-GPU dense figures):
+# fp8 4.5 PFLOPS, bf16/fp16 2.25, fp32 80 TFLOPS, fp64 40; 180 GB HBM3e at 8 TB/s; NVLink 5
+# 1.8 TB/s both directions through NVLink-5 switches (NVLS); DGX B200: one 400 Gb/s ConnectX-7 per GPU.
+B200 = dataclasses.replace(
+    H100_SXM,
+    name="B200-HGX-180GB",
+    peak_flops=(
+        ("float8_e4m3fn", 4500e12),
+        ("float8_e5m2", 4500e12),
+        ("bfloat16", 2250e12),
+        ("float16", 2250e12),
+        ("float32", 80e12),
+        ("float64", 40e12),
+    ),
+    hbm_bandwidth=8e12,
+    intra_node_bandwidth=900e9,
+    memory_bytes=180 * 10**9,
+)
+# AMD Instinct MI300X (OAM, 750 W). Source: AMD Instinct MI300X data sheet: bf16/fp16 1,307.4 TFLOPS
+# dense, fp8 2,614.9, fp32 matrix 163.4, fp64 81.7; 192 GB HBM3 at 5.3 TB/s; 7 Infinity Fabric links
+# of 128 GB/s (both directions) to the node's 7 peers, fully connected: RCCL drives all seven at once,
+# 7 x 64 GB/s per direction. No in-network reduction. Platforms pair each GPU with a 400 Gb/s NIC.
+MI300X = dataclasses.replace(
+    H100_SXM,
+    name="MI300X-OAM-192GB",
+    peak_flops=(
+        ("float8_e4m3fnuz", 2614.9e12),
+        ("float8_e5m2fnuz", 2614.9e12),
+        ("bfloat16", 1307.4e12),
+        ("float16", 1307.4e12),
+        ("float32", 163.4e12),
+        ("float64", 81.7e12),
+    ),
+    hbm_bandwidth=5.3e12,
+    intra_node_bandwidth=7 * 64e9,
+    intra_node_latency=8e-6,
+    memory_bytes=192 * 10**9,
+    compute_efficiency=0.45,  # public MI300X GEMM measurements reach well below the datasheet peak
+    nvls=False,
+)
+# A CPU host running gloo (the CI and test meshes), for pricing plans that run there, not a target.
+# Source: one socket of a current x86 server (32 cores x 2 AVX-512 FMA units x 16 fp32 lanes x 2 FLOPs
+# at ~2 GHz ~ 4 TFLOPS fp32; bf16 has no faster path in PyTorch's CPU GEMMs), 8 channels of DDR5-4800
+# (307 GB/s); gloo moves tensors over TCP: loopback on one host (~10 GB/s), 100 GbE between hosts.
+# Latencies are gloo's per-step TCP round trips; an op dispatch costs ~10 us of Python and ATen.
+CPU_GLOO = DeviceProfile(
+    name="cpu-gloo",
+    peak_flops=(("bfloat16", 4e12), ("float16", 4e12), ("float32", 4e12), ("float64", 2e12)),
+    hbm_bandwidth=307e9,
+    intra_node_bandwidth=10e9,
+    inter_node_bandwidth=12.5e9,
+    intra_node_latency=30e-6,
+    inter_node_latency=60e-6,
+    gpus_per_node=64,
+    memory_bytes=256 * 2**30,
+    compute_efficiency=0.5,
+    bandwidth_efficiency=0.7,
+    kernel_launch=10e-6,
+)
+DEVICE_PROFILES = {
+    "h100": H100_SXM,
+    "h200": H200_SXM,
+    "a100": A100_SXM,
+    "b200": B200,
+    "mi300x": MI300X,
+    "cpu": CPU_GLOO,
+}
+
+
+def resolve_profile(profile: str | DeviceProfile) -> DeviceProfile:
+    """A profile given by name (``"h200"``, case-insensitive) or passed in as is."""
+    if isinstance(profile, DeviceProfile):
+        return profile
+    if isinstance(profile, str) and profile.lower() in DEVICE_PROFILES:
+        return DEVICE_PROFILES[profile.lower()]
+    raise ConstraintError(
+        f"unknown device profile {profile!r}: use one of {', '.join(sorted(DEVICE_PROFILES))} "
+        "or pass an autoplan.DeviceProfile"
+    )

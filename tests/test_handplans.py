@@ -1,0 +1,47 @@
+"""The ILP's plan against the hand-written plans users run (DDP, FSDP, HSDP, FSDP+TP as pins),
+priced under one cost model: it is never worse, on two model sizes."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import fake_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autoplan import AutoParallel
+from autoplan.bench import compare_plans
+from autoplan.handplans import hand_plan_pins, hand_plans
+from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+
+R, S0 = Replicate(), Shard(0)
+
+
+@pytest.mark.parametrize(
+    "size", [dict(n_layers=2), pytest.param(dict(n_layers=3, dim=512, n_heads=8, n_kv_heads=4), marks=pytest.mark.slow)]
+)
+def test_the_ilp_plan_is_no_worse_than_any_hand_plan(size):
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    cfg = dataclasses.replace(LLAMA3_CONFIGS["debug"], **size)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, cfg.vocab_size, (16, 64))) as ap:
+        ap.add_input_constraints([(S0, R)])
+        ap.add_output_constraints([(S0, R)])
+        rows = {r["plan"]: r for r in compare_plans(ap, 2)}
+    assert set(rows) == {"autoplan", "ddp", "fsdp", "hsdp", "fsdp+tp"}
+    assert not [r for r in rows.values() if "error" in r]
+    best = rows.pop("autoplan")
+    for name, r in rows.items():
+        assert best["step_ms"] <= r["step_ms"] * (1 + 1e-9), name
+        assert r["exposed_comm_ms"] <= r["comm_ms"] + 1e-12
+    # the pins took: FSDP keeps an eighth of DDP's parameters, HSDP a quarter
+    assert rows["fsdp"]["param_bytes"] == pytest.approx(rows["ddp"]["param_bytes"] / 8, rel=0.02)
+    assert rows["hsdp"]["param_bytes"] == pytest.approx(rows["ddp"]["param_bytes"] / 4, rel=0.02)
+    assert rows["fsdp"]["step_ms"] != rows["ddp"]["step_ms"]
+
+
+def test_hand_plans_by_mesh():
+    assert hand_plans(1) == ("ddp", "fsdp")
+    assert hand_plan_pins("fsdp", 2) == [("*.weight", (S0, S0))]
+    with pytest.raises(ValueError, match="no hand plan 'hsdp' on a 1-D mesh"):
+        hand_plan_pins("hsdp", 1)
