@@ -512,48 +512,12 @@ def run_memory(args: argparse.Namespace) -> dict:
     return result
 
 
-def compare_plans(ap, ndim: int) -> list[dict]:
-    """The ILP's plan and each hand plan (``autoplan.handplans``) that ``ap``'s mesh can express,
-    under ``ap``'s other constraints and one cost model: one row each."""
-    from autoplan.errors import AutoplanError
-    from autoplan.handplans import hand_plan_pins, hand_plans
-
-    rows = []
-    for name in ("autoplan", *hand_plans(ndim)):
-        pins = [] if name == "autoplan" else hand_plan_pins(name, ndim)
-        for target, placements in pins:
-            ap.add_node_constraint(target, placements)
-        t0 = time.perf_counter()
-        try:
-            plan = ap.optimize_placement()
-        except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
-            rows.append({"plan": name, "error": str(e).splitlines()[0]})
-        else:
-            c = plan.cost
-            rows.append(
-                {
-                    "plan": name,
-                    "step_ms": c.total * 1e3,
-                    "compute_ms": (c.compute_forward + c.compute_backward) * 1e3,
-                    "comm_ms": c.comm * 1e3,
-                    "exposed_comm_ms": c.exposed_comm * 1e3,
-                    "peak_gib": plan.memory.peak_bytes / 2**30,
-                    "param_bytes": plan.memory.param_bytes,
-                    "fits": plan.memory.peak_bytes <= ap.device_profile.memory_bytes,
-                    "mfu": c.mfu,
-                    "plan_s": time.perf_counter() - t0,
-                }
-            )
-        for target, _ in pins:
-            ap.remove_node_constraint(target)
-    return rows
-
-
 def run_compare(args: argparse.Namespace) -> dict:
     """Price the ILP's plan against the hand-written plans users run, under one cost model."""
     from torch.distributed.tensor import Replicate, Shard
 
     from autoplan import AutoParallel
+    from autoplan.handplans import compare_plans
 
     shape = parse_mesh(args.mesh)
     model, cfg = llama_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))

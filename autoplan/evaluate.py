@@ -17,7 +17,6 @@ import torch.fx as fx
 
 from autoplan import overlap
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.clustering import layer_instances
 from autoplan.costs import CostModel
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
 from autoplan.problem import PlacementProblem, ideal_seconds, strategy_costs
@@ -74,8 +73,7 @@ def evaluate(
     nodes: dict[str, NodePlan] = {}
     redistributions: list[Redistribution] = []
     totals = {"compute_forward": 0.0, "compute_backward": 0.0, "comm_forward": 0.0, "comm_backward": 0.0}
-    instance = {n: i for n, (i, _) in layer_instances(tg).items()}
-    params, early = frozenset(tg.placeholder_for("param").values()), overlap.parameter_only(tg)
+    hiding = overlap.Hiding.of(tg)
     seg_comm: dict[str, float] = defaultdict(float)
     ideal = 0.0
 
@@ -85,7 +83,7 @@ def evaluate(
             key = _compute_key(n, s)
             if key not in compute_cache:
                 compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
-            op_key = _compute_key(n, None)
+            op_key = key[:-1]  # the op alone, whatever its strategy
             if op_key not in ideal_cache:
                 ideal_cache[op_key] = ideal_seconds(n, cost_model)
             compute = compute_cache[key]
@@ -111,7 +109,7 @@ def evaluate(
         collectives = cost_model.redistribute_collectives(src, dst, meta)
         redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase))
         totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
-        seg = _hiding_segment(e, instance, params, early)
+        seg = _hiding_segment(e, hiding)
         if seg is not None:
             seg_comm[seg] += seconds
     hidden = overlap.hidden_seconds(budget, seg_comm)
@@ -153,13 +151,9 @@ def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict
     return edges
 
 
-def _hiding_segment(e: _Edge, instance: dict, params: frozenset, early: frozenset) -> str | None:
+def _hiding_segment(e: _Edge, hiding: overlap.Hiding) -> str | None:
     """The overlap segment whose compute ``e``'s move can hide under, ``None`` if it cannot."""
-    reader = e.dst if e.slot is not None or e.dst in params else None
-    if not overlap.hideable(e.src, reader, params, early):
-        return None
-    at = overlap.charged_to(e.src, reader, params)
-    return overlap.segment(instance.get(at, ""), overlap.phase(at))
+    return hiding.segment_of(e.src, e.dst, e.slot is None)
 
 
 def _ends(e: _Edge, strategy_of: Callable[[fx.Node], Strategy]) -> tuple:
@@ -193,8 +187,7 @@ def alternatives(
     costs only what spills over). This is the local view ``explain`` needs (why this node, given its
     neighbours); pins and the memory budget are not applied to the alternatives. Identical layers
     are priced once."""
-    instance = {n: i for n, (i, _) in layer_instances(tg).items()}
-    params, early = frozenset(tg.placeholder_for("param").values()), overlap.parameter_only(tg)
+    hiding = overlap.Hiding.of(tg)
     touching: dict[fx.Node, list[_Edge]] = defaultdict(list)
     segment_of: dict[_Edge, str | None] = {}
     hideable: dict[str, float] = defaultdict(float)
@@ -202,7 +195,7 @@ def alternatives(
         touching[e.src].append(e)
         if e.dst is not None:
             touching[e.dst].append(e)
-        segment_of[e] = seg = _hiding_segment(e, instance, params, early)
+        segment_of[e] = seg = _hiding_segment(e, hiding)
         src, dst = _ends(e, chosen.__getitem__)
         if seg is not None and src != dst:
             hideable[seg] += cost_model.redistribute_cost(src, dst, tensor_meta(e.value.meta["val"]))

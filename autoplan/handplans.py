@@ -15,8 +15,12 @@ the hand plan.
 
 from __future__ import annotations
 
+import time
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.errors import AutoplanError
 
 R = Replicate()
 COLUMNWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -58,3 +62,37 @@ def _fsdp_tp(ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
     pins += [(f"layers.*.{m}", act(2)) for m in COLUMNWISE]  # column-wise outputs: split features
     pins += [("output", act(2))]  # vocab-split logits
     return pins
+
+
+def compare_plans(ap, ndim: int) -> list[dict]:
+    """The ILP's plan and each hand plan that ``ap``'s mesh can express, under ``ap``'s other
+    constraints and one cost model: one row each (``python -m autoplan.bench compare`` prints them)."""
+    rows = []
+    for name in ("autoplan", *hand_plans(ndim)):
+        pins = [] if name == "autoplan" else hand_plan_pins(name, ndim)
+        for target, placements in pins:
+            ap.add_node_constraint(target, placements)
+        t0 = time.perf_counter()
+        try:
+            plan = ap.optimize_placement()
+        except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
+            rows.append({"plan": name, "error": str(e).splitlines()[0]})
+        else:
+            c = plan.cost
+            rows.append(
+                {
+                    "plan": name,
+                    "step_ms": c.total * 1e3,
+                    "compute_ms": (c.compute_forward + c.compute_backward) * 1e3,
+                    "comm_ms": c.comm * 1e3,
+                    "exposed_comm_ms": c.exposed_comm * 1e3,
+                    "peak_gib": plan.memory.peak_bytes / 2**30,
+                    "param_bytes": plan.memory.param_bytes,
+                    "fits": plan.memory.peak_bytes <= ap.device_profile.memory_bytes,
+                    "mfu": c.mfu,
+                    "plan_s": time.perf_counter() - t0,
+                }
+            )
+        for target, _ in pins:
+            ap.remove_node_constraint(target)
+    return rows

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch.fx as fx
@@ -52,19 +53,37 @@ def segment(instance: str, phase_name: str) -> str:
     return f"{instance or '(outside layers)'} {phase_name}"
 
 
-def hideable(src: fx.Node, reader: fx.Node | None, params: frozenset[fx.Node], early: frozenset[fx.Node]) -> bool:
-    """Whether moving ``src``'s value to ``reader`` (an op; ``None``: a sink) can overlap compute:
-    a parameter-only value read by an op, or a gradient moved into its parameter's placement
-    (``reader`` is the parameter)."""
-    if reader is None:
-        return False
-    return reader in params if reader.op == "placeholder" else src in early
+@dataclass(frozen=True)
+class Hiding:
+    """Which moves of one traced graph can hide, and under which segment's compute."""
 
+    instance: dict[fx.Node, str]  # node -> layer instance, "" outside repeated layers
+    params: frozenset[fx.Node]
+    early: frozenset[fx.Node]  # parameter-only values
 
-def charged_to(src: fx.Node, reader: fx.Node, params: frozenset[fx.Node]) -> fx.Node:
-    """The node whose segment a hideable move counts in: a gradient's producer (the move runs
-    while the backward goes on), else the op that reads the moved value."""
-    return src if reader in params else reader
+    @classmethod
+    def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None) -> Hiding:
+        if instance is None:
+            instance = {n: i for n, (i, _) in layer_instances(tg).items()}
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), parameter_only(tg))
+
+    def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool) -> str | None:
+        """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.
+
+        ``reader`` reads the moved value in its input (an op) or, with ``into_output``, in its
+        output placement (a parameter taking its gradient, a tangent taking a model output). A
+        parameter-only value read by an op counts in the op's segment; a gradient moved into its
+        parameter's placement counts in its producer's (the move runs while the backward goes on).
+        """
+        if into_output:
+            if reader not in self.params:
+                return None
+            at = src
+        elif reader is None or src not in self.early:
+            return None
+        else:
+            at = reader
+        return segment(self.instance.get(at, ""), phase(at))
 
 
 def least(seconds: np.ndarray) -> float:

@@ -400,8 +400,8 @@ def build_problem(
     strats = {n: ns.strategies for n, ns in strategies.items()}
     units = [n for n in strategies if root[n][0] is n]
     unit_cost = {u: np.zeros(len(strats[u])) for u in units}
-    where, params = clustering.instance, frozenset(tg.placeholder_for("param").values())
-    early = overlap.parameter_only(tg)
+    where = clustering.instance
+    hiding = overlap.Hiding.of(tg, where)
     budget: dict[str, float] = defaultdict(float)
     least = dict(least or {})
     for v, ss in strats.items():
@@ -421,10 +421,8 @@ def build_problem(
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
         edge = _edge(strats, root, cost_model.redistribute_cost, ur, k, cr, slot)
         cost = edge.cost * mult
-        reader = cr if slot != "out" or cr in params else None
-        if overlap.hideable(ur, reader, params, early):
-            at = overlap.charged_to(ur, reader, params)
-            name = overlap.segment(where.get(at, ""), overlap.phase(at))
+        name = hiding.segment_of(ur, cr, slot == "out")
+        if name is not None:
             hideable.append((name, dataclasses.replace(edge, cost=cost)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)

@@ -9,8 +9,7 @@ from conftest import fake_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.bench import compare_plans
-from autoplan.handplans import hand_plan_pins, hand_plans
+from autoplan.handplans import compare_plans, hand_plan_pins, hand_plans
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
 R, S0 = Replicate(), Shard(0)
