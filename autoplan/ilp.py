@@ -97,10 +97,15 @@ class BudgetRow:
 
 
 def undominated(
-    problem: PlacementProblem, fixed: list[FixedRows], budgets: list[BudgetRow], options: list[RecomputeVar] = ()
+    problem: PlacementProblem,
+    fixed: list[FixedRows],
+    budgets: list[BudgetRow],
+    options: list[RecomputeVar] = (),
+    keep: dict[fx.Node, Strategy] | None = None,
 ) -> dict[fx.Node, np.ndarray]:
     """Per unit, the strategies worth a variable: finite, and cheapest among those that look the same
-    to every edge, constraint and budget (the others can only cost more in any plan)."""
+    to every edge, constraint and budget (the others can only cost more in any plan), and ``keep``'s
+    (a start's strategies: its point must exist in the model)."""
     signature: dict[fx.Node, list[np.ndarray]] = {u: [] for u in problem.units}
     for g in problem.edges:
         signature[g.src].append(g.src_label)
@@ -131,7 +136,12 @@ def undominated(
             k = keys[i].tobytes()
             if k not in best or cost[i] < cost[best[k]]:
                 best[k] = int(i)
-        kept[u] = np.array(sorted(best.values()), dtype=np.int64)
+        chosen = set(best.values())
+        if keep is not None and keep.get(u) in problem.strategies[u]:
+            i = problem.strategies[u].index(keep[u])
+            if not problem.forbidden[u][i]:
+                chosen.add(i)
+        kept[u] = np.array(sorted(chosen), dtype=np.int64)
     return kept
 
 
@@ -305,7 +315,7 @@ def solve_placement(
             start = {u: problem.strategies[u][i] for u, i in seeded.choice.items()}
             start_recompute = seeded.recompute
     t_seed = time.perf_counter()
-    kept = undominated(problem, fixed, budgets, options)
+    kept = undominated(problem, fixed, budgets, options, start)
     b = ModelBuilder("placement")
     offsets: dict[fx.Node, int] = {}
     for u in problem.units:

@@ -40,14 +40,14 @@ from autoplan.problem import (
 )
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
-from solvers import InfeasibleError, SolverTimeoutError
+from solvers import OPTIMALITY_GAP, InfeasibleError, SolverTimeoutError
 
 log = logging.getLogger(__name__)
 # where a peak row bounds the live bytes: a base schedule step, or the recomputed copy (run right
 # before that step, which triggers its chain) at whose run the row measures what recomputing keeps
 Point = tuple[int, "memory.Recomputed | None"]
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
-_PEAK_GAP = 1e-2  # relative MIP gap of solves under a peak cap
+DEFAULT_GAP = 1e-2  # relative MIP gap a plan is certified within by default (``AutoParallel``)
 NO_RECOMPUTE = "none"
 _PEAK_GROUP = "memory constraint: estimated peak"
 _SMALLEST_PEAK_S = 60.0  # time for finding the least peak an infeasible cap's error reports
@@ -63,6 +63,7 @@ class Request:
     param_budget: float | None = None
     peak_budget: float | None = None
     recompute: dict[str, str] = field(default_factory=dict)
+    start: Plan | None = None  # a plan the solve starts from: the result is never worse
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Planner:
     optimizer: memory.OptimizerSpec
     solver_backend: str = "highs"
     time_limit: float | None = None
+    mip_rel_gap: float = DEFAULT_GAP
     merge_followers: bool = True
 
     def __post_init__(self) -> None:
@@ -312,15 +314,13 @@ class Planner:
         budgets = self._peak_rows(problem, request, steps, options)
         if request.param_budget is not None:
             budgets.append(self._param_row(problem, request.param_budget))
-        # a peak cap makes the ILP a knapsack the solver proves slowly: 0.1% from the optimum is enough
-        gap = _PEAK_GAP if request.peak_budget is not None else 1e-6
         solved = solve_placement(
             problem,
             self._fixed_rows(problem, request),
             budgets,
             time_limit=time_limit,
             backend=self.solver_backend,
-            mip_rel_gap=gap,
+            mip_rel_gap=max(self.mip_rel_gap, OPTIMALITY_GAP),
             start=start,
             options=options,
             smallest_peak=smallest_peak,
@@ -373,7 +373,12 @@ class Planner:
         steps = {(t, None): 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
         t0 = time.perf_counter()
 
+        start = self._start_of(request.start)
+
         def solve_with(steps, time_limit=self.time_limit, **kw):
+            if start is not None:
+                kw.setdefault("start", start)
+                kw.setdefault("start_recompute", tuple(_option_name(*lo) for lo in request.start.recompute.items()))
             try:
                 return self._solve(request, self.clustering, self.strategies, cost_model, steps, time_limit, **kw)
             except InfeasibleError as e:
@@ -413,6 +418,25 @@ class Planner:
         if _over(report, request) or solved.objective_without_tie_break > done.solved.objective_without_tie_break:
             return spent  # the polish moved the peak where no row bounds it, or found nothing better
         return dataclasses.replace(spent, problem=problem, solved=solved, chosen=chosen)
+
+    def _start_of(self, plan: Plan | None) -> dict[fx.Node, Strategy] | None:
+        """Every node's strategy in ``plan``, a plan of this graph on this mesh (``ConstraintError``
+        naming the first node it does not fit)."""
+        if plan is None:
+            return None
+        if tuple(plan.mesh_shape) != self.mesh_shape:
+            raise ConstraintError(f"start plan is for a {plan.mesh_shape} mesh, not this {self.mesh_shape} one")
+        out = {}
+        for n in self.tg.gm.graph.nodes:
+            if self.clustering.rep.get(n) not in self.strategies:
+                continue
+            node = plan.nodes.get(n.name)
+            s = Strategy(node.outputs, node.inputs) if node is not None else None
+            if s not in self.strategies[self.clustering.rep[n]].strategies:
+                said = "is not in it" if s is None else "has a strategy this model's node cannot take"
+                raise ConstraintError(f"start plan does not fit this model: node {n.name} {said}")
+            out[n] = s
+        return out
 
     def _smallest_peak_error(
         self, e: InfeasibleError, request: Request, cost_model: CostModel, steps: dict[Point, float]

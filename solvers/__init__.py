@@ -10,10 +10,11 @@ Typical use::
 
 from .model import LinearModel, ModelBuilder
 from .pulp_backend import to_pulp
-from .result import InfeasibleError, SolveResult, SolverTimeoutError, SolveStatus
+from .result import OPTIMALITY_GAP, InfeasibleError, SolveResult, SolverTimeoutError, SolveStatus
 from .solve import solve
 
 __all__ = [
+    "OPTIMALITY_GAP",
     "InfeasibleError",
     "LinearModel",
     "ModelBuilder",

@@ -228,12 +228,15 @@ def solve(
             settled = model.integer & (np.abs(lp.x - np.round(lp.x)) <= 1e-6)
             guesses = ([rounding(lp.x)] if rounding is not None else []) + ([start] if start is not None else [])
             tries = [(model.integer, g) for g in guesses] + [(settled, lp.x)]
-            for columns, values in tries:
+            for k, (columns, values) in enumerate(tries):
                 point = _point_with(model, run, _remaining(opts, started), columns, values, passes)
                 if point is not None and (best is None or point[1] < best[1]):
                     best = point
-                if best is not None and relative_gap(best[1], lp_bound) <= max(mip_rel_gap, OPTIMALITY_GAP):
-                    return _result(model, name, passes, SolveStatus.OPTIMAL, *best, lp_bound)
+                gap = relative_gap(best[1], lp_bound) if best is not None else math.inf
+                # every whole guess is tried before one is taken: the start may beat the rounding
+                if gap <= max(mip_rel_gap, OPTIMALITY_GAP) and (k >= len(guesses) - 1 or gap <= OPTIMALITY_GAP):
+                    status = SolveStatus.OPTIMAL if gap <= OPTIMALITY_GAP else SolveStatus.FEASIBLE
+                    return _result(model, name, passes, status, *best, lp_bound)
     mip_opts = _remaining(opts, started)
     if best is not None:
         mip_opts = replace(mip_opts, start=best[0])

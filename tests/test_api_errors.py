@@ -125,6 +125,31 @@ def test_node_constraint_matching_nothing(llama, mesh):
 # ---- bad arguments and misuse ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("gap", [-0.1, 1.0])
+def test_mip_gap_must_be_a_fraction(llama, mesh, gap):
+    with pytest.raises(ConstraintError, match=r"mip_rel_gap=.*must be a fraction in \[0, 1\)"):
+        AutoParallel(llama, mesh, input_fn=tokens(), mip_rel_gap=gap)
+
+
+def test_start_plan_must_be_of_this_model_and_mesh(mesh):
+    """A start from another mesh or another model is refused, naming what does not fit; one of
+    this model is where the solve begins, so the plan found is never worse than it."""
+    with AutoParallel(mlp(), fake_mesh((8,), ("dp",)), input_fn=lambda: torch.randn(8, 8)) as ap:
+        other_mesh = ap.optimize_placement()
+    with AutoParallel(nn.Sequential(nn.Linear(8, 8)).to("meta"), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        other_model = ap.optimize_placement()
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        with pytest.raises(ConstraintError, match=r"start plan is for a \(8,\) mesh, not this \(2, 4\) one"):
+            ap.optimize_placement(start=other_mesh)
+        with pytest.raises(ConstraintError, match="start plan does not fit this model: node .* is not in it"):
+            ap.optimize_placement(start=other_model)
+        ap.add_node_constraint("*.weight", (R, R))
+        replicated = ap.optimize_placement()
+        ap.remove_node_constraint("*.weight")
+        free = ap.optimize_placement(start=replicated)
+    assert free.cost.total <= replicated.cost.total * (1 + 1e-9)
+
+
 def test_mesh_must_be_a_device_mesh(llama):
     with pytest.raises(TypeError, match="DeviceMesh.*tuple"):
         AutoParallel(llama, (2, 4), input_fn=tokens())
