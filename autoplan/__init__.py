@@ -2,7 +2,7 @@
 
 from autoplan.api import AutoParallel
 from autoplan.devices import DEVICE_PROFILES, H100_SXM, DeviceProfile
-from autoplan.errors import AutoplanError, ConstraintError, TracingError, UnsupportedOpError
+from autoplan.errors import AutoplanError, ConstraintError, PlanMismatchError, TracingError, UnsupportedOpError
 from autoplan.plan import Plan
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "ConstraintError",
     "DeviceProfile",
     "Plan",
+    "PlanMismatchError",
     "TracingError",
     "UnsupportedOpError",
 ]

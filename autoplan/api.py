@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan import memory, recompute
+from autoplan import memory, mismatch, recompute
 from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats
 from autoplan.compile import RegionStats, compile_regions
@@ -345,6 +345,7 @@ class AutoParallel:
         too small to be worth it, run eagerly).
         """
         tg = self._require_traced()
+        mismatch.check(plan, tg, tuple(self.mesh.shape))
         t0 = time.perf_counter()
         if remove_round_trips:
             cost_model = CostModel(self.mesh, self.device_profile)

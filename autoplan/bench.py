@@ -530,8 +530,11 @@ def run_compare(args: argparse.Namespace) -> dict:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
         ap.add_input_constraints([batch_pl])
         ap.add_output_constraints([batch_pl])
+        if args.cap:
+            ap.add_memory_constraint(bytes_per_device=args.cap * 2**30)
         rows = compare_plans(ap, len(shape))
-    print(f"{args.model} on mesh {args.mesh} ({ap.device_profile.name}), global batch {batch} x {seq}")
+    cap = f", every plan capped at {args.cap:g} GiB per device" if args.cap else ""
+    print(f"{args.model} on mesh {args.mesh} ({ap.device_profile.name}), global batch {batch} x {seq}{cap}")
     print(f"{'plan':<10} {'step ms':>9} {'compute':>9} {'comm':>9} {'exposed':>9} {'peak GiB':>9} {'MFU':>6}  fits")
     for r in rows:
         if "error" in r:
@@ -539,9 +542,10 @@ def run_compare(args: argparse.Namespace) -> dict:
             continue
         print(
             f"{r['plan']:<10} {r['step_ms']:>9.2f} {r['compute_ms']:>9.2f} {r['comm_ms']:>9.2f}"
-            f" {r['exposed_comm_ms']:>9.2f} {r['peak_gib']:>9.2f} {r['mfu']:>6.1%}  {'yes' if r['fits'] else 'no'}"
+            f" {max(r['exposed_comm_ms'], 0.0):>9.2f} {r['peak_gib']:>9.2f} {r['mfu']:>6.1%}"
+            f"  {'yes' if r['fits'] else 'no'}"
         )
-    return {"model": args.model, "mesh": list(shape), "batch": batch, "seq": seq, "plans": rows}
+    return {"model": args.model, "mesh": list(shape), "batch": batch, "seq": seq, "cap_gib": args.cap, "plans": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -582,8 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--cap", type=float, default=None, help="cap the estimated peak per device (GiB)")
     c = sub.add_parser("compare", help="the ILP's plan against DDP, FSDP, HSDP and FSDP+TP under one cost model")
     for action in p._actions[1:]:
-        if action.dest != "cap":
-            c._add_action(action)
+        c._add_action(action)
     c.add_argument("--layers", type=int, default=None, help="override the config's number of layers")
     from autoplan.devices import DEVICE_PROFILES
 

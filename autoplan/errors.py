@@ -39,3 +39,11 @@ class InfeasiblePlanError(AutoplanError, InfeasibleError):
     def __init__(self, groups: list[str], message: str, smallest_peak_bytes: float | None = None):
         super().__init__(groups, message)
         self.smallest_peak_bytes = smallest_peak_bytes
+
+
+class PlanMismatchError(AutoplanError, ValueError):
+    """A plan applied to a model or mesh it was not made for; ``differences`` lists what differs."""
+
+    def __init__(self, differences: list[str], message: str):
+        super().__init__(message)
+        self.differences = differences

@@ -47,7 +47,7 @@ class Evaluation:
     cost: CostBreakdown
 
 
-def _op_name(n: fx.Node) -> str:
+def op_name(n: fx.Node) -> str:
     return n.name if n.op == "placeholder" else str(n.target)
 
 
@@ -91,7 +91,7 @@ def evaluate(
             totals[f"compute_{overlap.phase(n)}"] += compute
         nodes[n.name] = NodePlan(
             name=n.name,
-            op=_op_name(n),
+            op=op_name(n),
             module=n.meta.get(PATH_KEY, ""),
             phase=overlap.phase(n) if n.op != "placeholder" else "",
             outputs=s.outputs,

@@ -71,18 +71,19 @@ def compare_plans(ap, ndim: int) -> list[dict]:
     is never worse than one."""
     rows, plans = [], {}
     for name in hand_plans(ndim):
-        pins = hand_plan_pins(name, ndim)
-        for target, placements in pins:
-            ap.add_node_constraint(target, placements)
+        added = []
         t0 = time.perf_counter()
         try:
+            for target, placements in hand_plan_pins(name, ndim):
+                ap.add_node_constraint(target, placements)
+                added.append(target)
             plans[name] = ap.optimize_placement()
         except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
             rows.append({"plan": name, "error": str(e).splitlines()[0]})
         else:
             rows.append(_row(name, plans[name], ap, time.perf_counter() - t0))
         finally:
-            for target, _ in pins:
+            for target in added:
                 ap.remove_node_constraint(target)
     t0 = time.perf_counter()
     best = min(plans.values(), key=lambda p: p.cost.total, default=None)

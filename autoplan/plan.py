@@ -160,6 +160,8 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute option (``autoplan.recompute``)
     # per layer and phase: the compute its prefetches and gradient reductions can hide under, s
     overlap_budget: dict[str, float] = field(default_factory=dict)
+    # what the plan was made for: each parameter's, buffer's and input's dtype and global shape
+    signature: dict[str, str] = field(default_factory=dict)
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -315,6 +317,7 @@ class Plan:
             passes=d.get("passes", {}),
             recompute=d.get("recompute", {}),
             overlap_budget=d.get("overlap_budget", {}),
+            signature=d.get("signature", {}),
         )
 
     @classmethod

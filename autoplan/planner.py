@@ -20,12 +20,12 @@ import numpy as np
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan import memory, overlap, recompute
+from autoplan import memory, mismatch, overlap, recompute
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering, untie
 from autoplan.costs import CostModel, local_bytes
 from autoplan.devices import DeviceProfile
-from autoplan.errors import ConstraintError, InfeasiblePlanError
+from autoplan.errors import ConstraintError, InfeasiblePlanError, PlanMismatchError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
 from autoplan.plan import Plan
@@ -420,12 +420,11 @@ class Planner:
         return dataclasses.replace(spent, problem=problem, solved=solved, chosen=chosen)
 
     def _start_of(self, plan: Plan | None) -> dict[fx.Node, Strategy] | None:
-        """Every node's strategy in ``plan``, a plan of this graph on this mesh (``ConstraintError``
-        naming the first node it does not fit)."""
+        """Every node's strategy in ``plan``, a plan of this graph on this mesh (``PlanMismatchError``
+        listing what differs otherwise)."""
         if plan is None:
             return None
-        if tuple(plan.mesh_shape) != self.mesh_shape:
-            raise ConstraintError(f"start plan is for a {plan.mesh_shape} mesh, not this {self.mesh_shape} one")
+        mismatch.check(plan, self.tg, self.mesh_shape)
         out = {}
         for n in self.tg.gm.graph.nodes:
             if self.clustering.rep.get(n) not in self.strategies:
@@ -433,8 +432,8 @@ class Planner:
             node = plan.nodes.get(n.name)
             s = Strategy(node.outputs, node.inputs) if node is not None else None
             if s not in self.strategies[self.clustering.rep[n]].strategies:
-                said = "is not in it" if s is None else "has a strategy this model's node cannot take"
-                raise ConstraintError(f"start plan does not fit this model: node {n.name} {said}")
+                found = [f"node {n.name} has a strategy in the plan that it cannot take here"]
+                raise PlanMismatchError(found, f"the plan was made for another model or mesh: {found[0]}")
             out[n] = s
         return out
 
@@ -619,6 +618,7 @@ class Planner:
             layer_classes=[list(c) for c in clustering.classes],
             recompute=dict(sorted(choice.items(), key=lambda kv: _layer_key(kv[0]))),
             overlap_budget=budget,
+            signature=mismatch.signature(tg),
         )
 
     def _explain_options(self, request: Request, nodes) -> dict[fx.Node, tuple]:

@@ -9,7 +9,7 @@ from conftest import fake_mesh
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autoplan import AutoParallel, ConstraintError, TracingError, UnsupportedOpError
+from autoplan import AutoParallel, ConstraintError, Plan, PlanMismatchError, TracingError, UnsupportedOpError
 from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from solvers import InfeasibleError
@@ -132,22 +132,42 @@ def test_mip_gap_must_be_a_fraction(llama, mesh, gap):
 
 
 def test_start_plan_must_be_of_this_model_and_mesh(mesh):
-    """A start from another mesh or another model is refused, naming what does not fit; one of
-    this model is where the solve begins, so the plan found is never worse than it."""
+    """A start from another mesh or another model is refused, naming what differs; one of this
+    model is where the solve begins, so the plan found is never worse than it."""
     with AutoParallel(mlp(), fake_mesh((8,), ("dp",)), input_fn=lambda: torch.randn(8, 8)) as ap:
         other_mesh = ap.optimize_placement()
     with AutoParallel(nn.Sequential(nn.Linear(8, 8)).to("meta"), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
         other_model = ap.optimize_placement()
     with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
-        with pytest.raises(ConstraintError, match=r"start plan is for a \(8,\) mesh, not this \(2, 4\) one"):
+        with pytest.raises(PlanMismatchError, match=r"mesh \(8,\) in the plan, \(2, 4\) here"):
             ap.optimize_placement(start=other_mesh)
-        with pytest.raises(ConstraintError, match="start plan does not fit this model: node .* is not in it"):
+        with pytest.raises(PlanMismatchError, match=r"param:0.weight is float32\[8, 8\] in the plan, float32\[16, 8\]"):
             ap.optimize_placement(start=other_model)
         ap.add_node_constraint("*.weight", (R, R))
         replicated = ap.optimize_placement()
         ap.remove_node_constraint("*.weight")
         free = ap.optimize_placement(start=replicated)
     assert free.cost.total <= replicated.cost.total * (1 + 1e-9)
+
+
+def test_plan_json_applied_to_another_model_lists_the_differences(mesh):
+    """A plan saved as JSON and applied to a model it was not made for: every difference counted,
+    the first ones named (the parameter, its shape in the plan and here), before any lowering."""
+
+    def wide():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 8))
+
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        text = ap.optimize_placement().to_json()
+    with AutoParallel(wide(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        with pytest.raises(PlanMismatchError) as info:
+            ap.apply_placement(Plan.from_json(text))
+    e = info.value
+    assert isinstance(e, ValueError)
+    assert "param:0.weight is float32[16, 8] in the plan, float32[32, 8] here" in str(e)
+    assert "param:3.weight float32[8, 8] is in this model but not in the plan" in e.differences
+    assert "optimize_placement" in str(e)
 
 
 def test_mesh_must_be_a_device_mesh(llama):

@@ -44,3 +44,19 @@ def test_hand_plans_by_mesh():
     assert hand_plan_pins("fsdp", 2) == [("*.weight", (S0, S0))]
     with pytest.raises(ValueError, match="no hand plan 'hsdp' on a 1-D mesh"):
         hand_plan_pins("hsdp", 1)
+
+
+def test_hand_plans_the_model_cannot_take_are_reported_not_fatal():
+    """FSDP cannot split a 12-row weight 8 ways, and FSDP+TP names LLaMA modules an MLP lacks: their
+    rows say why (the pins are validated as they are added), the others are priced, and the ILP's
+    plan, started from the cheapest of them, is no worse."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randn(16, 8)) as ap:
+        rows = {r["plan"]: r for r in compare_plans(ap, 2)}
+        assert not ap._pins  # every hand plan's pins were taken back, the failed ones' too
+    assert "cannot be placed as S(0)S(0)" in rows["fsdp"]["error"]
+    assert "'layers.*.attention_norm.weight' matches no node, parameter or module" in rows["fsdp+tp"]["error"]
+    assert "error" not in rows["ddp"] and "error" not in rows["hsdp"]
+    assert rows["autoplan"]["step_ms"] <= min(rows["ddp"]["step_ms"], rows["hsdp"]["step_ms"]) * (1 + 1e-9)
