@@ -9,15 +9,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
 
 from autoplan import memory, mismatch, recompute
 from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats
 from autoplan.compile import RegionStats, compile_regions
-from autoplan.constraints import Pin
+from autoplan.constraints import Pin, placement_error
 from autoplan.costs import CostModel
 from autoplan.devices import H100_SXM, DeviceProfile, resolve_profile
 from autoplan.errors import ConstraintError
@@ -31,7 +33,6 @@ from autoplan.strategies import (
     Placements,
     StrategyBuilder,
     enumerate_strategies,
-    is_valid,
     output_vals,
 )
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
@@ -43,15 +44,32 @@ def _check_mesh(mesh: Any) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim < 1 or any(s < 1 for s in mesh.shape):
-        raise ValueError(f"mesh has an invalid shape {tuple(mesh.shape)}")
+        raise ConstraintError(f"mesh has an invalid shape {tuple(mesh.shape)}: every dim needs at least one rank")
+    names = mesh.mesh_dim_names or ()
+    if len(set(names)) != len(names):
+        raise ConstraintError(f"mesh dim names {names} repeat a name: each mesh dim needs its own")
+    # planning alone (the fake backend) may use part of the world, to compare meshes in one session;
+    # a run may not: the ranks outside the mesh would never join its collectives
+    if dist.is_initialized() and dist.get_backend() != "fake" and mesh.size() != dist.get_world_size():
+        raise ConstraintError(
+            f"mesh {tuple(mesh.shape)} has {mesh.size()} ranks but the process group has {dist.get_world_size()}:"
+            " plan for a mesh over every rank (init_device_mesh with the world size)"
+        )
     return mesh
 
 
-def _unsplittable(val: torch.Tensor, placements: Placements, mesh_shape: Sequence[int]) -> str:
-    return (
-        f"shape {tuple(val.shape)} cannot be placed as {placements_str(placements)} on mesh {tuple(mesh_shape)}"
-        " (a sharded dim must be divisible by the product of the mesh dims that shard it)"
-    )
+def _unusable_mesh_dims(tg: TracedGraph, mesh: DeviceMesh) -> list[str]:
+    """Mesh dims no tensor of the step can be split over (no dim of any value is a multiple of
+    their size): on them every rank would repeat the same work, which is never what was meant."""
+    sizes = set()
+    for n in tg.gm.graph.nodes:
+        for v in tree_flatten(n.meta.get("val"))[0]:
+            if isinstance(v, torch.Tensor):
+                sizes.update(int(d) for d in v.shape)
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    return [
+        f"{names[i]} (size {k})" for i, k in enumerate(mesh.shape) if k > 1 and not any(d % k == 0 for d in sizes if d)
+    ]
 
 
 def _executed_collectives(lowered) -> dict[str, int]:
@@ -135,6 +153,7 @@ class AutoParallel:
         self._inputs: dict[int, Placements] = {}
         self._outputs: dict[int, Placements] = {}
         self._pins: list[Pin] = []
+        self._pin_nodes: dict[str, list[fx.Node]] = {}  # pin target -> the nodes it matched
         self._param_budget: float | None = None
         self._peak_budget: float | None = None
         self._recompute: dict[str, str] = {}  # layer -> recompute option the user fixed ("none": never)
@@ -151,6 +170,12 @@ class AutoParallel:
             self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
         )
         ta = time.perf_counter()
+        unusable = _unusable_mesh_dims(self.traced, self.mesh)
+        if unusable:
+            raise ConstraintError(
+                f"mesh dim {', '.join(unusable)} of mesh {tuple(self.mesh.shape)} cannot split any tensor of this"
+                " model's step (no tensor dim is a multiple of it): use a smaller mesh dim, or a bigger batch"
+            )
         self.aliases = insert_aliases(self.traced)
         t1 = time.perf_counter()
         self.clustering = self._cluster()
@@ -184,12 +209,14 @@ class AutoParallel:
 
     # ---- constraints ----------------------------------------------------------------------
 
-    def _check_placements(self, what: str, val, placements) -> Placements:
+    def _check_placements(self, what: str, val, placements, whole: bool = False) -> Placements:
+        """``placements`` as a tuple, or ``ConstraintError`` saying why they cannot place ``val``."""
         placements = tuple(placements)
-        if len(placements) != self.mesh.ndim:
-            raise ConstraintError(f"{what}: {len(placements)} placements given for a {self.mesh.ndim}-D mesh")
-        if not is_valid(placements, val, tuple(self.mesh.shape)):
-            raise ConstraintError(f"{what}: {_unsplittable(val, placements, self.mesh.shape)}")
+        if not isinstance(val, torch.Tensor):
+            raise ConstraintError(f"{what}: it is not a tensor ({type(val).__name__}), so it has no placement")
+        why = placement_error(placements, val, tuple(self.mesh.shape), whole)
+        if why is not None:
+            raise ConstraintError(f"{what}: {why} (mesh {tuple(self.mesh.shape)})")
         return placements
 
     def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> None:
@@ -199,7 +226,7 @@ class AutoParallel:
             raise ConstraintError(f"{len(constraints)} input constraints given, but the model has {len(inputs)} inputs")
         for i, c in enumerate(constraints):
             if c is not None:
-                self._inputs[i] = self._check_placements(f"input {i}", inputs[i].meta["val"], c)
+                self._inputs[i] = self._check_placements(f"input {i}", inputs[i].meta["val"], c, whole=True)
 
     def add_output_constraints(self, constraints: Sequence[Sequence | None]) -> None:
         """Placements of the model outputs (and of their incoming gradients)."""
@@ -222,9 +249,21 @@ class AutoParallel:
         nodes = self._pin_targets(name)
         if not nodes:
             raise ConstraintError(f"node constraint {name!r} matches no node, parameter or module")
+        params = set(self.traced.placeholder_for("param").values())
         for n in nodes:
-            self._check_placements(f"node constraint {name!r} ({n.name})", output_vals(n)[0], placements)
-        self._pins.append(Pin(name, tuple(placements)))
+            what = f"node constraint {name!r} ({n.name})"
+            self._check_placements(what, output_vals(n)[0], placements, whole=n in params)
+        placements = tuple(placements)
+        for pin in self._pins:
+            clash = [n.name for n in self._pin_nodes[pin.target] if n in nodes and pin.placements != placements]
+            if clash:
+                raise ConstraintError(
+                    f"node constraint {name!r} = {placements_str(placements)} contradicts node constraint"
+                    f" {pin.target!r} = {placements_str(pin.placements)} on {', '.join(clash[:3])}: remove one"
+                    " (remove_node_constraint) or pin them alike"
+                )
+        self._pins.append(Pin(name, placements))
+        self._pin_nodes[name] = nodes
 
     def remove_node_constraint(self, target: fx.Node | str) -> None:
         """Drop every pin added for ``target``: with ``add_*`` and a changed ``device_profile`` this

@@ -15,11 +15,15 @@ the hand plan.
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import time
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.constraints import placement_error
 from autoplan.errors import AutoplanError
 
 R = Replicate()
@@ -64,17 +68,41 @@ def _fsdp_tp(ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
     return pins
 
 
+def fit_to_shapes(pins: list, params: dict[str, torch.Tensor], mesh_shape: tuple[int, ...]) -> list:
+    """``pins`` with each parameter glob split by layer pattern where the mesh cannot split some of
+    its parameters' dim 0 evenly; those split dim 1 on the outer mesh dims instead. FSDP pads an
+    uneven dim 0, autoplan splits evenly only, and dim 1 moves the same bytes (LLaMA-3's
+    128256-row embedding over 1024 ranks)."""
+    out = []
+    for target, placements in pins:
+        matched = [fqn for fqn in params if fnmatch.fnmatchcase(fqn, target)]
+        if all(placement_error(placements, params[f], mesh_shape, whole=True) is None for f in matched):
+            out.append((target, placements))
+            continue
+        # the outer (FSDP) mesh dims move to dim 1 first, as few as fit: the inner (TP) one keeps its split
+        moved = [
+            tuple(Shard(1) if i < k and p == Shard(0) else p for i, p in enumerate(placements))
+            for k in range(1, len(placements) + 1)
+        ]
+        for pattern in dict.fromkeys(re.sub(r"\.\d+\.", ".*.", f) for f in matched):
+            val = params[next(f for f in matched if fnmatch.fnmatchcase(f, pattern))]
+            fitting = [pl for pl in (placements, *moved) if placement_error(pl, val, mesh_shape, whole=True) is None]
+            out.append((pattern, fitting[0] if fitting else placements))  # none: the pin says why
+    return out
+
+
 def compare_plans(ap, ndim: int) -> list[dict]:
     """The ILP's plan and each hand plan that ``ap``'s mesh can express, under ``ap``'s other
     constraints and one cost model: one row each, the ILP's first (``python -m autoplan.bench
     compare`` prints them). The ILP starts from the cheapest hand plan, so within any MIP gap it
     is never worse than one."""
     rows, plans = [], {}
+    params = {fqn: n.meta["val"] for fqn, n in ap.traced.placeholder_for("param").items()}
     for name in hand_plans(ndim):
         added = []
         t0 = time.perf_counter()
         try:
-            for target, placements in hand_plan_pins(name, ndim):
+            for target, placements in fit_to_shapes(hand_plan_pins(name, ndim), params, tuple(ap.mesh.shape)):
                 ap.add_node_constraint(target, placements)
                 added.append(target)
             plans[name] = ap.optimize_placement()

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoplan import attention as attn
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
-from autoplan.errors import AutoplanError, TracingError
+from autoplan.errors import AutoplanError, ConstraintError, TracingError
 from autoplan.progress import ticker
 
 aten = torch.ops.aten
@@ -247,6 +247,13 @@ def make_fake_inputs(input_fn: Callable[[], Any], fake_mode: FakeTensorMode, dev
         args = input_fn()
     if not isinstance(args, tuple):
         args = (args,)
+    leaves, _ = tree_flatten(args)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None))):
+            raise ConstraintError(
+                f"input_fn returned a {type(leaf).__name__} (leaf {i} of its output): it must return the model's"
+                " inputs as tensors, or a tuple, list or dict of them (plain numbers and None pass as they are)"
+            )
     return tree_map_only(
         torch.Tensor, lambda t: t if fake_mode.is_our_fake(t) else fake_mode.from_tensor(t.to(device)), args
     )
@@ -408,6 +415,8 @@ _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, attn
 _OUR_MODELS = os.path.join(_LIBRARY_DIRS[1], "models") + os.sep  # model code, though shipped with autoplan
 _DATA_DEPENDENT = "DataDependentOutputException DynamicOutputShapeException GuardOnDataDependentSymNode".split()
 _OP_HINTS = {
+    "aten.embedding.default": "an embedding reads integer indices: does input_fn return token ids as"
+    " torch.long (torch.randint), not floats?",
     "aten._grouped_mm.default": "grouped_mm takes bfloat16 inputs only: build the model in bfloat16, or (a"
     " Hugging Face MoE) pick experts_implementation='batched_mm'",
 }

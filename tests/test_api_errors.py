@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import fake_mesh
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel, ConstraintError, Plan, PlanMismatchError, TracingError, UnsupportedOpError
 from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
@@ -168,6 +168,56 @@ def test_plan_json_applied_to_another_model_lists_the_differences(mesh):
     assert "param:0.weight is float32[16, 8] in the plan, float32[32, 8] here" in str(e)
     assert "param:3.weight float32[8, 8] is in this model but not in the plan" in e.differences
     assert "optimize_placement" in str(e)
+
+
+def embed() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 8))
+
+
+def test_float_indices_name_the_embedding_and_the_fix(mesh):
+    with pytest.raises(TracingError, match=r"(?s)aten.embedding.default \(module 0\).*torch.long") as info:
+        AutoParallel(embed(), mesh, input_fn=lambda: torch.randn(8, 4)).__enter__()
+    assert isinstance(info.value.__cause__, RuntimeError)  # torch's own error, kept as the cause
+
+
+def test_input_fn_must_return_tensors(mesh):
+    with pytest.raises(ConstraintError, match="input_fn returned a str .*tensors"):
+        AutoParallel(embed(), mesh, input_fn=lambda: ("hello",)).__enter__()
+
+
+def test_partial_placements_where_no_pending_sum_can_be(mesh):
+    """Token ids are integers (a partial sum of them means nothing), and inputs and parameters are
+    held whole: each is refused as it is given, naming the reason, not a shape."""
+    with AutoParallel(embed(), mesh, input_fn=lambda: torch.randint(0, 32, (8, 4))) as ap:
+        with pytest.raises(ConstraintError, match="input 0: Partial.* int64 tensor .*pending sum of integers"):
+            ap.add_input_constraints([(Partial(), R)])
+        with pytest.raises(ConstraintError, match=r"'1.weight'.*Partial\(\) on mesh dim 1: .*held whole"):
+            ap.add_node_constraint("1.weight", (R, Partial()))
+        with pytest.raises(ConstraintError, match=r"Shard\(2\) on mesh dim 0 names a dim the 2-D tensor"):
+            ap.add_input_constraints([(Shard(2), R)])
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        with pytest.raises(ConstraintError, match="input 0: Partial.*held whole"):
+            ap.add_input_constraints([(R, Partial())])
+
+
+def test_contradicting_pins_are_refused_when_given(mesh):
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        ap.add_node_constraint("*.weight", (S0, R))
+        ap.add_node_constraint("0.weight", (S0, R))  # agrees: fine
+        with pytest.raises(ConstraintError, match=r"'2.weight' = RR contradicts node constraint '\*.weight' = S\(0\)R"):
+            ap.add_node_constraint("2.weight", (R, R))
+        assert [p.target for p in ap._pins] == ["*.weight", "0.weight"]
+
+
+def test_bad_meshes_are_named():
+    with torch.device("meta"):
+        square = nn.Linear(6, 6)
+    with pytest.raises(ConstraintError, match=r"mesh dim names \('dp', 'dp'\) repeat a name"):
+        AutoParallel(mlp(), fake_mesh((2, 4), ("dp", "dp")), input_fn=lambda: torch.randn(8, 8))
+    # no dim of any tensor (6 x 6 weights and batch) is a multiple of 4: the tp dim would only repeat work
+    with pytest.raises(ConstraintError, match=r"mesh dim tp \(size 4\) of mesh \(2, 4\) cannot split any tensor"):
+        AutoParallel(square, fake_mesh((2, 4), ("dp", "tp")), input_fn=lambda: torch.randn(6, 6)).__enter__()
 
 
 def test_mesh_must_be_a_device_mesh(llama):

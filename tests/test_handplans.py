@@ -9,7 +9,7 @@ from conftest import fake_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.handplans import compare_plans, hand_plan_pins, hand_plans
+from autoplan.handplans import compare_plans, fit_to_shapes, hand_plan_pins, hand_plans
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
 R, S0 = Replicate(), Shard(0)
@@ -47,16 +47,26 @@ def test_hand_plans_by_mesh():
 
 
 def test_hand_plans_the_model_cannot_take_are_reported_not_fatal():
-    """FSDP cannot split a 12-row weight 8 ways, and FSDP+TP names LLaMA modules an MLP lacks: their
+    """FSDP cannot split a 12 x 5 weight 8 ways (on either dim), and FSDP+TP names LLaMA modules an MLP lacks: their
     rows say why (the pins are validated as they are added), the others are priced, and the ILP's
     plan, started from the cheapest of them, is no worse."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
-    with AutoParallel(model, mesh, input_fn=lambda: torch.randn(16, 8)) as ap:
+        model = torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randn(16, 5)) as ap:
         rows = {r["plan"]: r for r in compare_plans(ap, 2)}
         assert not ap._pins  # every hand plan's pins were taken back, the failed ones' too
-    assert "cannot be placed as S(0)S(0)" in rows["fsdp"]["error"]
+    assert "(size 12) cannot be split 8 ways" in rows["fsdp"]["error"]
     assert "'layers.*.attention_norm.weight' matches no node, parameter or module" in rows["fsdp+tp"]["error"]
     assert "error" not in rows["ddp"] and "error" not in rows["hsdp"]
     assert rows["autoplan"]["step_ms"] <= min(rows["ddp"]["step_ms"], rows["hsdp"]["step_ms"]) * (1 + 1e-9)
+
+
+def test_uneven_dim0_falls_back_to_dim1_on_the_outer_mesh_dims():
+    """LLaMA-3's 128256-row embedding cannot split 1024 ways: FSDP (which would pad) splits its dim 1
+    on the outer dim instead; tensor parallelism keeps its row split on the inner one."""
+    params = {"tok_embeddings.weight": torch.empty(128256, 8192, device="meta")}
+    params |= {f"layers.{i}.attention.wq.weight": torch.empty(8192, 8192, device="meta") for i in range(2)}
+    pins = fit_to_shapes(hand_plan_pins("fsdp", 2), params, (128, 8))
+    assert pins == [("tok_embeddings.weight", (Shard(1), S0)), ("layers.*.attention.wq.weight", (S0, S0))]
+    assert fit_to_shapes(hand_plan_pins("fsdp", 2), params, (16, 8)) == hand_plan_pins("fsdp", 2)  # 1002 rows each
