@@ -273,8 +273,14 @@ class Plan:
 
     # ---- JSON --------------------------------------------------------------------------------
 
-    def to_dict(self) -> dict:
+    def to_dict(self, timings: bool = True) -> dict:
+        """Plain data; without ``timings`` no wall-clock figure is kept (planning phases, solver and
+        re-solve seconds), so the same model, mesh and constraints give the same bytes every run."""
         d = asdict(self)
+        if not timings:
+            d["timings"] = {}
+            d["solver"] = {k: v for k, v in d["solver"].items() if k not in ("build_time", "solve_time")}
+            d["ilp"]["refinements"] = [{k: v for k, v in r.items() if k != "solve_s"} for r in d["ilp"]["refinements"]]
         d["nodes"] = {k: _node_to_dict(v) for k, v in self.nodes.items()}
         d["param_placements"] = {k: placements_str(v) for k, v in self.param_placements.items()}
         d["redistributions"] = [
@@ -282,8 +288,8 @@ class Plan:
         ]
         return d
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
+    def to_json(self, path: str | Path | None = None, timings: bool = True) -> str:
+        text = json.dumps(self.to_dict(timings), indent=1)
         if path is not None:
             Path(path).write_text(text)
         return text
