@@ -2,7 +2,14 @@
 
 from autoplan.api import AutoParallel
 from autoplan.devices import DEVICE_PROFILES, H100_SXM, DeviceProfile
-from autoplan.errors import AutoplanError, ConstraintError, PlanMismatchError, TracingError, UnsupportedOpError
+from autoplan.errors import (
+    AutoplanError,
+    ConstraintError,
+    PlanMismatchError,
+    SolverLimitError,
+    TracingError,
+    UnsupportedOpError,
+)
 from autoplan.plan import Plan
 
 __all__ = [
@@ -14,6 +21,7 @@ __all__ = [
     "DeviceProfile",
     "Plan",
     "PlanMismatchError",
+    "SolverLimitError",
     "TracingError",
     "UnsupportedOpError",
 ]

@@ -5,7 +5,7 @@ All derive from ``AutoplanError``, and from the built-in class a caller would al
 
 from __future__ import annotations
 
-from solvers import InfeasibleError
+from solvers import InfeasibleError, SolverTimeoutError
 
 
 class AutoplanError(Exception):
@@ -47,3 +47,19 @@ class PlanMismatchError(AutoplanError, ValueError):
     def __init__(self, differences: list[str], message: str):
         super().__init__(message)
         self.differences = differences
+
+
+class SolverLimitError(AutoplanError, SolverTimeoutError):
+    """The solver's time limit passed before it found any plan; ``elapsed`` seconds were spent."""
+
+    def __init__(self, cause: SolverTimeoutError, elapsed: float):
+        super().__init__(
+            f"no plan found within time_limit={cause.time_limit:g} s ({elapsed:.1f} s spent; the ILP has"
+            f" {cause.n_vars} variables and {cause.n_rows} rows, backend {cause.backend}): raise time_limit,"
+            " or pin placements (add_node_constraint) so that the ILP is smaller",
+            cause.time_limit,
+            cause.backend,
+            cause.n_vars,
+            cause.n_rows,
+        )
+        self.elapsed = elapsed

@@ -25,7 +25,7 @@ from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering, untie
 from autoplan.costs import CostModel, local_bytes
 from autoplan.devices import DeviceProfile
-from autoplan.errors import ConstraintError, InfeasiblePlanError, PlanMismatchError
+from autoplan.errors import ConstraintError, InfeasiblePlanError, PlanMismatchError, SolverLimitError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
 from autoplan.plan import Plan
@@ -532,8 +532,18 @@ class Planner:
         tg = self.tg
         t0 = time.perf_counter()
         cost_model = CostModel(self.mesh, self.device_profile)
-        main = self._main_solve(request, cost_model)
+        try:
+            main = self._main_solve(request, cost_model)
+        except SolverTimeoutError as e:
+            raise SolverLimitError(e, time.perf_counter() - t0) from e
         problem, solved, chosen, steps = main.problem, main.solved, main.chosen, main.steps
+        if solved.result.gap > max(self.mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
+            warnings.warn(
+                f"the solver stopped at time_limit={self.time_limit} s with the best plan found so far, within"
+                f" {solved.result.gap:.2%} of its bound (mip_rel_gap={self.mip_rel_gap:g} was asked): raise"
+                " time_limit for a better one",
+                stacklevel=3,
+            )
         t1 = time.perf_counter()
         clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
         recomputed = solved.recompute

@@ -109,7 +109,8 @@ class InfeasibleError(Exception):
 class SolverTimeoutError(Exception):
     """The time limit ran out before any feasible point was found."""
 
-    def __init__(self, message: str, time_limit: float | None, backend: str) -> None:
+    def __init__(self, message: str, time_limit: float | None, backend: str, n_vars: int = 0, n_rows: int = 0) -> None:
         super().__init__(message)
         self.time_limit = time_limit
         self.backend = backend
+        self.n_vars, self.n_rows = n_vars, n_rows

@@ -88,6 +88,8 @@ def _timeout(model: LinearModel, backend: str, opts: SolverOptions) -> SolverTim
         f"(backend {backend})",
         opts.time_limit,
         backend,
+        model.n_cols,
+        model.n_rows,
     )
 
 

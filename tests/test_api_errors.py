@@ -9,7 +9,15 @@ from conftest import fake_mesh
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoplan import AutoParallel, ConstraintError, Plan, PlanMismatchError, TracingError, UnsupportedOpError
+from autoplan import (
+    AutoParallel,
+    ConstraintError,
+    Plan,
+    PlanMismatchError,
+    SolverLimitError,
+    TracingError,
+    UnsupportedOpError,
+)
 from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from solvers import InfeasibleError
@@ -218,6 +226,12 @@ def test_bad_meshes_are_named():
     # no dim of any tensor (6 x 6 weights and batch) is a multiple of 4: the tp dim would only repeat work
     with pytest.raises(ConstraintError, match=r"mesh dim tp \(size 4\) of mesh \(2, 4\) cannot split any tensor"):
         AutoParallel(square, fake_mesh((2, 4), ("dp", "tp")), input_fn=lambda: torch.randn(6, 6)).__enter__()
+
+
+def test_time_limit_without_any_plan_names_the_time_and_the_ilp_size(llama, mesh):
+    with AutoParallel(llama, mesh, input_fn=tokens(), time_limit=1e-6) as ap:
+        with pytest.raises(SolverLimitError, match=r"within time_limit=1e-06 s .* variables and \d+ rows"):
+            ap.optimize_placement()
 
 
 def test_mesh_must_be_a_device_mesh(llama):
