@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from autoplan import memory, mismatch, recompute
@@ -56,6 +58,24 @@ def _check_mesh(mesh: Any) -> DeviceMesh:
             " plan for a mesh over every rank (init_device_mesh with the world size)"
         )
     return mesh
+
+
+def _check_not_distributed(model: nn.Module) -> None:
+    """autoplan distributes the model itself: one already split (FSDP2, DTensor parameters) would
+    fail deep inside tracing or be split twice."""
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            raise ConstraintError(
+                f"module {name or '<root>'} is wrapped by fully_shard (FSDP2): give AutoParallel the model before"
+                " fully_shard; the plan decides how parameters are sharded"
+            )
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if isinstance(t, DTensor):
+            raise ConstraintError(
+                f"{name} is already a DTensor ({placements_str(t.placements)} on mesh {tuple(t.device_mesh.shape)}):"
+                " give AutoParallel the plain model, before distribute_tensor / parallelize_module; the plan"
+                " decides the placements"
+            )
 
 
 def _unusable_mesh_dims(tg: TracedGraph, mesh: DeviceMesh) -> list[str]:
@@ -136,6 +156,7 @@ class AutoParallel:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        _check_not_distributed(model)
         self.attention = check_attention_option(attention)
         self.model = model
         self.mesh = _check_mesh(mesh)

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.adapters.dtensor import local_shape
-from autoplan.adapters.local_tensor import mesh_coordinate, per_rank, world_key
+from autoplan.adapters.local_tensor import mesh_coordinate, per_rank, same_state, world_key, write_state
+from autoplan.errors import ConstraintError
 from autoplan.lowering import LoweredGraph
 from autoplan.plan import placements_str
 from autoplan.strategies import Placements
@@ -87,10 +88,14 @@ class ParallelMixin:
         for t in [*self.parameters(), *self.buffers()]:
             if isinstance(t, DTensor):
                 t._local_tensor = per_rank(t._local_tensor)
+        # a buffer outside the state dict keeps what to_empty left unless something fills it
+        self._autoplan.unfilled = {fqn: _written(self.get_buffer(fqn)) for fqn in _non_persistent(self)}
         return self
 
     def forward(self, *inputs):
         state = self._autoplan
+        if state.unfilled:
+            _check_filled(self, state)
         flat, _ = torch.utils._pytree.tree_flatten(inputs)
         _check_inputs(flat, state)
         params = [p.to_local() for p in state.params(self)]
@@ -99,6 +104,41 @@ class ParallelMixin:
         outs = _PlanFunction.apply(state.executor, coordinate, *params, *constants)
         outs = [state.wrap_output(i, o) for i, o in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _non_persistent(module: nn.Module) -> list[str]:
+    """FQNs of the buffers ``state_dict`` leaves out (``register_buffer(..., persistent=False)``)."""
+    return [
+        f"{name}.{b}" if name else b
+        for name, m in module.named_modules()
+        for b in sorted(m._non_persistent_buffers_set)
+        if m._buffers.get(b) is not None
+    ]
+
+
+def _written(t: torch.Tensor) -> tuple:
+    """Which tensor holds a buffer's values, and what it holds (``write_state``)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return id(local), write_state(local)
+
+
+def _check_filled(module: nn.Module, state: _State) -> None:
+    """Refuse to run while a buffer outside the state dict still holds the uninitialised memory
+    ``to_empty`` gave it: ``load_state_dict`` does not fill it (a positions ``arange`` would become
+    out-of-range indices). Written in place or replaced since, it is filled."""
+    stale = []
+    for fqn, (held_by, seen) in state.unfilled.items():
+        now_by, now = _written(module.get_buffer(fqn))
+        if now_by == held_by and same_state(now, seen):
+            stale.append(fqn)
+    if stale:
+        raise ConstraintError(
+            f"buffer {', '.join(repr(f) for f in stale)} is not in the state dict (persistent=False) and still"
+            " holds the uninitialised memory to_empty gave it: call the model's init_weights() (or whatever"
+            " computes it) after to_empty, or copy its values from a model built off the meta device"
+            " (get_buffer(name).copy_(values) under torch.distributed.tensor.experimental.implicit_replication())"
+        )
+    state.unfilled = {}
 
 
 def _replicating(init: Callable) -> Callable:
@@ -122,6 +162,7 @@ class _State:
     output_shapes: list[tuple[torch.Size, tuple[int, ...]] | None]
     return_dtensor: bool
     coordinates: dict = field(default_factory=dict)  # per simulated world (``world_key``): this rank's mesh coordinate
+    unfilled: dict = field(default_factory=dict)  # non-persistent buffer FQN -> ``_written`` right after to_empty
 
     @staticmethod
     @torch.compiler.disable

@@ -17,6 +17,21 @@ class MLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class Corners(nn.Module):
+    """Parameters a plan must carry as they are: one stored transposed (non-contiguous), one the
+    forward never reads (no gradient at all), and a buffer the forward reads."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(dim, hidden).t())  # (hidden, dim), column-major storage
+        self.unused = nn.Linear(dim, dim)
+        self.out = nn.Linear(hidden, dim)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(x @ self.w_in.t()) * self.scale)
+
+
 class Block(nn.Module):
     """One LLaMA block with its RoPE table as a buffer, taking (batch, seq, dim) activations."""
 

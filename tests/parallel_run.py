@@ -32,7 +32,7 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 def make(name: str, batch_rows: int = 4):
-    from models import MLP, SelfAttention, TiedLM, WeightNormMLP
+    from models import MLP, Corners, SelfAttention, TiedLM, WeightNormMLP
 
     from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
@@ -44,6 +44,8 @@ def make(name: str, batch_rows: int = 4):
         return TiedLM, (lambda g: torch.randint(0, 64, (batch_rows, 8), generator=g))
     if name == "mlp":
         return (lambda: MLP(32, 64, 32)), (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
+    if name == "corners":
+        return Corners, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
     if name == "weightnorm":
         return WeightNormMLP, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
     if name in ("attention_causal", "attention_masked"):  # masked: a non-causal sliding window
@@ -74,7 +76,7 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
         loss = model(batch).mean()
         loss.backward()
         if step == 0:
-            ref.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            ref.grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         ref.losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()
@@ -126,7 +128,11 @@ def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t) 
             loss = DTensor.from_local(out, mesh, IO, run_check=False).mean()
         loss.backward()
         if step == 0:
-            grads_ok = {n: close(plain(p.grad.full_tensor()), ref.grads[n]) for n, p in pmod.named_parameters()}
+            grads_ok = {
+                n: (p.grad is None) == (ref.grads[n] is None)
+                and (p.grad is None or close(plain(p.grad.full_tensor()), ref.grads[n]))
+                for n, p in pmod.named_parameters()
+            }
         losses.append(float(plain(loss.full_tensor())))
         opt.step()
         opt.zero_grad()

@@ -234,6 +234,22 @@ def test_time_limit_without_any_plan_names_the_time_and_the_ilp_size(llama, mesh
             ap.optimize_placement()
 
 
+def test_models_already_distributed_are_refused(mesh):
+    """autoplan splits the model itself: one wrapped by FSDP2, or holding DTensor parameters, is
+    named before any tracing."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    wrapped = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(wrapped, mesh=fake_mesh((8,), ("dp",)))
+    with pytest.raises(ConstraintError, match=r"module <root> is wrapped by fully_shard \(FSDP2\)"):
+        AutoParallel(wrapped, mesh, input_fn=lambda: torch.randn(8, 8))
+    dt = nn.Sequential(nn.Linear(8, 8))
+    dt[0].weight = nn.Parameter(distribute_tensor(dt[0].weight.detach(), mesh, [R, S0]))
+    with pytest.raises(ConstraintError, match=r"0.weight is already a DTensor \(RS\(0\) on mesh \(2, 4\)\)"):
+        AutoParallel(dt, mesh, input_fn=lambda: torch.randn(8, 8))
+
+
 def test_mesh_must_be_a_device_mesh(llama):
     with pytest.raises(TypeError, match="DeviceMesh.*tuple"):
         AutoParallel(llama, (2, 4), input_fn=tokens())

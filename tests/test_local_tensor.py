@@ -22,6 +22,9 @@ from parallel_run import (
 )
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+
+from autoplan import AutoParallel, ConstraintError
 
 RANKS = 8
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
@@ -95,6 +98,7 @@ def test_llama_debug_inductor_regional():
         pytest.param("tied", True, marks=pytest.mark.slow),
         ("weightnorm", False),
         pytest.param("weightnorm", True, marks=pytest.mark.slow),
+        ("corners", False),
     ],
 )
 def test_small_models(name, compiled):
@@ -169,3 +173,40 @@ def test_non_leading_dim_collectives_are_one_copy(src, dst):
     aten = torch.ops.aten
     assert not {aten.cat.default, aten.split.Tensor, aten.chunk.default} & set(ops)
     assert ops.count(aten.clone.default) == 1  # the re-layout; the collective itself is the only other work
+
+
+class _Positions(torch.nn.Module):
+    """Token plus learned position embeddings; the positions are a non-persistent ``arange`` buffer."""
+
+    def __init__(self, seq: int = 8):
+        super().__init__()
+        self.tok, self.pos, self.out = torch.nn.Embedding(32, 16), torch.nn.Embedding(seq, 16), torch.nn.Linear(16, 4)
+        self.register_buffer("positions", torch.arange(seq), persistent=False)
+
+    def forward(self, x):
+        return self.out(self.tok(x) + self.pos(self.positions))
+
+
+def test_unfilled_non_persistent_buffer_is_named_before_it_runs():
+    """A meta model given ``to_empty`` + ``load_state_dict``: the positions buffer is not in the state
+    dict, so it still holds uninitialised memory (indices out of range, or silently wrong ones). The
+    first step names it and the fix; once it is filled the step runs to single-device numerics."""
+    torch.manual_seed(0)
+    real = _Positions()
+    x = torch.randint(0, 32, (8, 8))
+    with torch.device("meta"):
+        meta = _Positions()
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    with AutoParallel(meta, mesh, input_fn=lambda: x) as ap:
+        ap.add_input_constraints([(R, R)])
+        ap.add_output_constraints([(R, R)])
+        pmod = ap.apply_placement(ap.optimize_placement())
+    with LocalTensorMode(RANKS):
+        pmod.to_empty(device="cpu")
+        pmod.load_state_dict(real.state_dict())
+        with pytest.raises(ConstraintError, match=r"buffer 'positions' is not in the state dict .* init_weights"):
+            pmod(x)
+        with implicit_replication():
+            pmod.get_buffer("positions").copy_(torch.arange(8))
+        out = _one_value(pmod(x))
+    torch.testing.assert_close(out, real(x), rtol=1e-5, atol=1e-6)

@@ -48,3 +48,15 @@ def per_rank(t: torch.Tensor) -> torch.Tensor:
     if mode is None or isinstance(t, LocalTensor):
         return t
     return mode.rank_map(lambda _: t.clone())
+
+
+def write_state(t: torch.Tensor) -> tuple:
+    """What tells whether a tensor was written since: its in-place write counts and a copy of its
+    bytes, per simulated rank for a simulated-rank tensor (whose in-place ops under the simulation
+    may leave every count alone, so the bytes decide)."""
+    parts = [v for _, v in sorted(t._local_tensors.items())] if isinstance(t, LocalTensor) else [t]
+    return tuple((v._version, v.detach().contiguous().view(torch.uint8).clone()) for v in parts)
+
+
+def same_state(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(va == vb and torch.equal(ba, bb) for (va, ba), (vb, bb) in zip(a, b))
