@@ -55,7 +55,7 @@ def placement_error(placements: Sequence, val: torch.Tensor, mesh_shape: Sequenc
         ways = math.prod(mesh_shape[i] for i in dims)
         if val.shape[d] % ways:
             return (
-                f"dim {d} of {_desc(val)} (size {val.shape[d]}) cannot be split {ways} ways evenly (mesh dims"
+                f"dim {d} {_desc(val)} (size {val.shape[d]}) cannot be split {ways} ways evenly (mesh dims"
                 f" {', '.join(map(str, dims))}); pick a size divisible by {ways}, or another placement"
             )
     return None

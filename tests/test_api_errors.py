@@ -250,6 +250,23 @@ def test_models_already_distributed_are_refused(mesh):
         AutoParallel(dt, mesh, input_fn=lambda: torch.randn(8, 8))
 
 
+def test_uneven_shapes_are_never_split_unevenly():
+    """Batch 30 on 4 ranks and a 50257-token vocabulary on 8: asking for the uneven split names the
+    dim and the ways; left free, the plan keeps those dims whole (autoplan does not pad)."""
+    mesh = fake_mesh((4,), ("dp",))
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(30, 8)) as ap:
+        with pytest.raises(ConstraintError, match=r"dim 0 of shape \(30, 8\) \(size 30\) cannot be split 4 ways"):
+            ap.add_input_constraints([(S0,)])
+    with torch.device("meta"):
+        lm = nn.Sequential(nn.Embedding(50257, 16), nn.Linear(16, 50257))
+    with AutoParallel(lm, fake_mesh((8,), ("tp",)), input_fn=lambda: torch.randint(0, 50257, (8, 4))) as ap:
+        with pytest.raises(ConstraintError, match=r"\(size 50257\) cannot be split 8 ways"):
+            ap.add_node_constraint("1.weight", (S0,))
+        plan = ap.optimize_placement()
+    for fqn in ("0.weight", "1.weight", "1.bias"):
+        assert Shard(0) not in plan.param_placements[fqn], (fqn, plan.param_placements[fqn])
+
+
 def test_mesh_must_be_a_device_mesh(llama):
     with pytest.raises(TypeError, match="DeviceMesh.*tuple"):
         AutoParallel(llama, (2, 4), input_fn=tokens())
