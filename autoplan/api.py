@@ -437,6 +437,7 @@ class AutoParallel:
 
     def _planner(self) -> Planner:
         """The planner for this trace and these settings; rebuilt when a setting it reads changed."""
+        # in the order of Planner's fields after the mesh
         key = (
             self.device_profile,
             self.optimizer,
@@ -446,18 +447,7 @@ class AutoParallel:
             self.merge_followers,
         )
         if self._planner_for != key:
-            self._planner_obj = Planner(
-                self.traced,
-                self.clustering,
-                self.strategies,
-                self.mesh,
-                self.device_profile,
-                self.optimizer,
-                self.solver_backend,
-                self.time_limit,
-                self.mip_rel_gap,
-                self.merge_followers,
-            )
+            self._planner_obj = Planner(self.traced, self.clustering, self.strategies, self.mesh, *key)
             self._planner_for = key
         return self._planner_obj
 
