@@ -267,6 +267,26 @@ def test_uneven_shapes_are_never_split_unevenly():
         assert Shard(0) not in plan.param_placements[fqn], (fqn, plan.param_placements[fqn])
 
 
+def test_a_plan_the_solver_stopped_on_warns_with_its_gap(monkeypatch, mesh):
+    """When the time limit stops the solver with a plan 5% from its bound (made to happen here by
+    reporting the real solve's result so), the plan comes back and a warning gives the gap."""
+    import dataclasses
+
+    import autoplan.planner
+
+    real = autoplan.planner.solve_placement
+
+    def stopped_early(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return dataclasses.replace(out, result=dataclasses.replace(out.result, gap=0.05))
+
+    monkeypatch.setattr(autoplan.planner, "solve_placement", stopped_early)
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8), time_limit=30.0) as ap:
+        with pytest.warns(UserWarning, match=r"stopped at time_limit=30.0 s .* within 5.00% of its bound"):
+            plan = ap.optimize_placement()
+    assert plan.param_placements
+
+
 def test_mesh_must_be_a_device_mesh(llama):
     with pytest.raises(TypeError, match="DeviceMesh.*tuple"):
         AutoParallel(llama, (2, 4), input_fn=tokens())
