@@ -124,3 +124,24 @@ def _checkpoint_worker(rank: int, path: str) -> bool:
 
 def test_distributed_checkpoint_round_trip(tmp_path):
     assert all(run_gloo(_checkpoint_worker, 4, str(tmp_path / "ckpt")))
+
+
+def _plan_on_one_of_two(rank: int) -> str:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autoplan import AutoParallel, ConstraintError
+
+    mesh = DeviceMesh("cpu", torch.tensor([0]), _init_backend=False)  # rank 0 alone, of a world of two
+    try:
+        AutoParallel(nn.Linear(4, 4), mesh, input_fn=lambda: torch.randn(2, 4))
+    except ConstraintError as e:
+        return str(e)
+    return "planned"
+
+
+def test_a_run_mesh_must_span_the_world():
+    """On a real backend the ranks outside the mesh would never join its collectives: refused on
+    every rank before any work (planning alone, on the fake backend, may use part of the world)."""
+    for said in run_gloo(_plan_on_one_of_two, 2, timeout=120):
+        assert "mesh (1,) has 1 ranks but the process group has 2" in said, said
