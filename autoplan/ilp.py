@@ -36,6 +36,8 @@ TIE_BREAK = 1e-3
 _TRIAL_S = 10.0
 _SEED_S = 90.0
 POLISH_S = 30.0
+# HiGHS's threads, fixed so that a plan does not depend on the planning host's core count
+SOLVER_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -362,6 +364,7 @@ def solve_placement(
     result = solve(
         model,
         backend=backend,
+        threads=SOLVER_THREADS,
         time_limit=time_limit,
         mip_rel_gap=mip_rel_gap,
         rounding=one_hot,
