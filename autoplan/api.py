@@ -295,6 +295,7 @@ class AutoParallel:
             pinned = ", ".join(sorted({p.target for p in self._pins})) or "none"
             raise ConstraintError(f"no node constraint on {name!r} to remove (pinned: {pinned})")
         self._pins = kept
+        del self._pin_nodes[name]
 
     def add_recompute_constraint(self, layers: str, option: str) -> None:
         """Fix the recompute choice of the layers matching ``layers`` (a glob over layer instances,

@@ -10,6 +10,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.devices import dtype_name
+
 Placements = tuple[Placement, ...]
 
 
@@ -43,7 +45,7 @@ def placement_error(placements: Sequence, val: torch.Tensor, mesh_shape: Sequenc
         elif isinstance(p, Partial):
             if not (val.dtype.is_floating_point or val.dtype.is_complex):
                 return (
-                    f"Partial() on mesh dim {i} of the {str(val.dtype).removeprefix('torch.')} tensor {_desc(val)}:"
+                    f"Partial() on mesh dim {i} of the {dtype_name(val.dtype)} tensor {_desc(val)}:"
                     " a pending sum of integers (indices, masks) is not a value; use Replicate() or Shard(d)"
                 )
             if whole:

@@ -7,6 +7,7 @@ and dtype of every parameter, buffer and input, and the mesh) and compared befor
 
 from __future__ import annotations
 
+from autoplan.devices import dtype_name
 from autoplan.errors import PlanMismatchError
 from autoplan.evaluate import op_name
 from autoplan.plan import Plan
@@ -21,7 +22,7 @@ def signature(tg: TracedGraph) -> dict[str, str]:
     for kind in ("param", "buffer", "input"):
         for key, n in tg.placeholder_for(kind).items():
             val = n.meta["val"]
-            out[f"{kind}:{key}"] = f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+            out[f"{kind}:{key}"] = f"{dtype_name(val.dtype)}{list(val.shape)}"
     return out
 
 
@@ -50,7 +51,11 @@ def differences(plan: Plan, tg: TracedGraph, mesh_shape: tuple[int, ...]) -> lis
 
 def check(plan: Plan, tg: TracedGraph, mesh_shape: tuple[int, ...]) -> None:
     """Raise ``PlanMismatchError`` listing the first differences if ``plan`` is not for this graph and mesh."""
-    found = differences(plan, tg, mesh_shape)
+    refuse(differences(plan, tg, mesh_shape))
+
+
+def refuse(found: list[str]) -> None:
+    """Raise ``PlanMismatchError`` listing the first of ``found``, if there are any."""
     if found:
         more = f"\n  ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         lines = "\n  ".join(found[:_SHOWN])

@@ -25,7 +25,7 @@ from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering, untie
 from autoplan.costs import CostModel, local_bytes
 from autoplan.devices import DeviceProfile
-from autoplan.errors import ConstraintError, InfeasiblePlanError, PlanMismatchError, SolverLimitError
+from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
 from autoplan.plan import Plan
@@ -432,8 +432,7 @@ class Planner:
             node = plan.nodes.get(n.name)
             s = Strategy(node.outputs, node.inputs) if node is not None else None
             if s not in self.strategies[self.clustering.rep[n]].strategies:
-                found = [f"node {n.name} has a strategy in the plan that it cannot take here"]
-                raise PlanMismatchError(found, f"the plan was made for another model or mesh: {found[0]}")
+                mismatch.refuse([f"node {n.name} has a strategy in the plan that it cannot take here"])
             out[n] = s
         return out
 
@@ -538,8 +537,12 @@ class Planner:
             raise SolverLimitError(e, time.perf_counter() - t0) from e
         problem, solved, chosen, steps = main.problem, main.solved, main.chosen, main.steps
         if solved.result.gap > max(self.mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
+            # without a user time_limit, the limit met is the one on polishing a capped plan
+            limit = (
+                f"time_limit={self.time_limit} s" if self.time_limit is not None else f"its {POLISH_S:g} s polish limit"
+            )
             warnings.warn(
-                f"the solver stopped at time_limit={self.time_limit} s with the best plan found so far, within"
+                f"the solver stopped at {limit} with the best plan found so far, within"
                 f" {solved.result.gap:.2%} of its bound (mip_rel_gap={self.mip_rel_gap:g} was asked): raise"
                 " time_limit for a better one",
                 stacklevel=3,
