@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -25,6 +26,17 @@ from autoplan.devices import H100_SXM, DeviceProfile, LinkKind
 aten = torch.ops.aten
 # a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
 Price = Callable[[Placements, Placements, Any], float]
+# a price over every (source, destination) pair of two placement lists: one row per source
+Matrix = Callable[[Sequence[Placements], Sequence[Placements], Any], np.ndarray]
+
+
+def pairwise(price: Price) -> Matrix:
+    """``price`` as a ``Matrix``."""
+
+    def matrix(srcs: Sequence[Placements], dsts: Sequence[Placements], meta) -> np.ndarray:
+        return np.array([[price(o, q, meta) for q in dsts] for o in srcs], dtype=float).reshape(len(srcs), len(dsts))
+
+    return matrix
 
 
 @dataclass(frozen=True)
@@ -384,6 +396,8 @@ class CostModel:
         # Keyed by redistribute_key; mesh and profile are fixed per instance.
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}
         self._costs: dict[tuple, float] = {}
+        self._matrices: dict[tuple, np.ndarray] = {}
+        self._transitions: dict[tuple, list] = {}  # DTensor's steps per placement pair (redistribute_steps)
 
     def _plan(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[Transfer, ...] | None:
         key = redistribute_key(src, dst, meta)
@@ -400,7 +414,7 @@ class CostModel:
         mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
         current = list(src)
         contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
-        for step in redistribute_steps(self.mesh, src, dst, meta):
+        for step in redistribute_steps(self.mesh, src, dst, meta, self._transitions):
             n = mesh_shape[step.mesh_dim]
             if n == 1:  # DTensor short-cuts these before checking the transition is supported
                 continue
@@ -435,6 +449,18 @@ class CostModel:
             plan = self._plan(src, dst, meta)
             self._costs[key] = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile)
         return self._costs[key]
+
+    def redistribute_costs(
+        self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta
+    ) -> np.ndarray:
+        """``redistribute_cost`` over every pair (a ``Matrix``), cached whole: the same edge groups
+        come back in every re-solve, and on a 3-D mesh one holds ~1,500 pairs."""
+        key = (tuple(srcs), tuple(dsts), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+        found = self._matrices.get(key)
+        if found is None:
+            found = self._matrices[key] = pairwise(self.redistribute_cost)(srcs, dsts, meta)
+            found.setflags(write=False)  # shared by every edge with this key
+        return found
 
     def redistribute_peak_bytes(self, src: Placements, dst: Placements, meta: TensorMeta) -> int:
         """The most bytes the move from ``src`` to ``dst`` holds at once on a rank, its result

@@ -87,7 +87,7 @@ class Schedule:
     last_use: dict[Key, int]  # each value -> the last step that reads it (itself, not its views)
     reads: dict[Key, int]  # each value -> the last op that reads it (graph outputs not counted)
     dies: dict[Key, int]  # storage owner -> last step it is alive
-    resident: tuple[fx.Node, ...]  # parameters, buffers, inputs, constants: alive throughout
+    resident: frozenset[fx.Node]  # parameters, buffers, inputs, constants: alive throughout
     forward_end: int  # the last forward step
     n_steps: int
 
@@ -124,7 +124,7 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> S
     forward_end = max((step[n] for n in nodes if n.meta.get(PHASE_KEY) == "forward"), default=last)
     kinds = {n: lab[0] for n, lab in zip(tg.placeholders, tg.input_labels)}
     always = tg.resident()
-    resident = tuple(n for n in nodes if n.op == "get_attr" or n in always)
+    resident = frozenset(n for n in nodes if n.op == "get_attr" or n in always)
     owner: dict[Key, Key] = {}
     reads = dict(step)
     for k in order:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from autoplan import overlap
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering
-from autoplan.costs import CostModel, Price, compute_dtype, node_flops
+from autoplan.costs import CostModel, Matrix, Price, compute_dtype, node_flops, pairwise
 from autoplan.progress import progress
 from autoplan.strategies import (
     NodeStrategies,
@@ -158,7 +158,7 @@ class _Edge:
         return cost.reshape(-1)[self.index]
 
 
-def _edge(strats, root, price: Price, ur: fx.Node, k: int, cr: fx.Node, slot) -> _Edge:
+def _edge(strats, root, price: Matrix, ur: fx.Node, k: int, cr: fx.Node, slot) -> _Edge:
     """The edge from ``ur``'s output ``k`` to ``cr``'s input ``slot``, each placement pair priced
     by ``price`` (a redistribution's seconds, or the bytes of the moved copy)."""
     meta = tensor_meta(output_vals(ur)[k])
@@ -166,7 +166,7 @@ def _edge(strats, root, price: Price, ur: fx.Node, k: int, cr: fx.Node, slot) ->
     dst_unit, dst_map = root[cr]
     srcs, src_label = _labels([strats[ur][i].outputs[k] for i in src_map])
     dsts, dst_label = _labels([_slot_placement(strats[cr][i], slot) for i in dst_map])
-    cost = np.array([[price(o, q, meta) for q in dsts] for o in srcs])
+    cost = price(srcs, dsts, meta)
     parts = (src_unit, dst_unit, srcs, dsts, src_label, dst_label, cost)
     if src_unit is dst_unit:
         return _Edge(*parts, src_unit, src_label * len(dsts) + dst_label, None)
@@ -206,7 +206,7 @@ def _forward_cost(problem, cost_model, nodes, resident, compute: dict, edges: di
                 continue
             key = (rep[u], k, rep[n], j)
             if key not in edges:
-                edges[key] = _edge(problem.strategies, problem.root, cost_model.redistribute_cost, *key)
+                edges[key] = _edge(problem.strategies, problem.root, cost_model.redistribute_costs, *key)
             _add_edge(out, problem, edges[key])
     return out
 
@@ -222,14 +222,14 @@ def _add_edge(out: Linear, problem: PlacementProblem, edge: _Edge) -> None:
 def input_moves(problem: PlacementProblem, nodes: Iterable[fx.Node], price: Price) -> Linear:
     """``price`` of each tensor input of ``nodes`` over the placement it is made in and the one its
     reader reads it in, as a function of the choice (e.g. the bytes of the copies a move makes)."""
-    rep, out = problem.clustering.rep, Linear()
+    rep, out, matrix = problem.clustering.rep, Linear(), pairwise(price)
     for n in nodes:
         if rep.get(n) not in problem.root:
             continue
         for j, a in enumerate(tensor_inputs(n)):
             u, k = value_of(a)
             if rep.get(u) in problem.root and isinstance(output_vals(u)[k], torch.Tensor):
-                _add_edge(out, problem, _edge(problem.strategies, problem.root, price, rep[u], k, rep[n], j))
+                _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, rep[u], k, rep[n], j))
     return out
 
 
@@ -242,7 +242,7 @@ def output_moves(
     edges, sinks = output_sinks(tg, problem.clustering, fixed_outputs)
     for ur, k, cr, slot in edges:
         if ur in problem.root and cr in problem.root:
-            _add_edge(out, problem, _edge(problem.strategies, problem.root, price, ur, k, cr, slot))
+            _add_edge(out, problem, _edge(problem.strategies, problem.root, pairwise(price), ur, k, cr, slot))
     for ur, k, placements in sinks:
         if ur in problem.root:
             meta = tensor_meta(output_vals(ur)[k])
@@ -419,7 +419,7 @@ def build_problem(
     groups: dict[tuple, EdgeGroup] = {}
     hideable: list[tuple[str, _Edge]] = []
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
-        edge = _edge(strats, root, cost_model.redistribute_cost, ur, k, cr, slot)
+        edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot)
         cost = edge.cost * mult
         name = hiding.segment_of(ur, cr, slot == "out")
         if name is not None:

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from autoplan import attention
 from autoplan.adapters import dtensor as dt
@@ -51,8 +51,9 @@ class NodeStrategies:
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """A node's fx-node arguments in flattened (args, kwargs) order; duplicates kept (``x + x``)."""
-    flat, _ = tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, fx.Node)]
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)  # C++ walk: this runs ~10^6 times at 70B
+    return found
 
 
 def value_of(node: fx.Node) -> tuple[fx.Node, int]:

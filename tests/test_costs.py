@@ -6,7 +6,7 @@ import torch
 from conftest import fake_mesh, init_fake_world
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoplan.adapters.dtensor import tensor_meta
+from autoplan.adapters.dtensor import redistribute_steps, tensor_meta
 from autoplan.costs import (
     CostModel,
     GroupSpan,
@@ -393,3 +393,19 @@ def test_profiles_by_name():
         for n in ("a100", "h100", "b200")
     }
     assert costs["b200"] < costs["h100"] < costs["a100"]
+
+
+def test_remembered_redistribute_steps_are_dtensors_own():
+    """Steps asked of DTensor once per placement pair and reused for other shapes (uneven ones too)
+    carry the same transitions and logical shapes as DTensor's search for that very tensor."""
+    init_fake_world()
+    mesh = fake_mesh((4, 2, 3))
+    choices = (R, P, Shard(0), Shard(1))
+    placements = [(a, b, c) for a in choices for b in choices for c in choices]
+    first, other = meta(96, 48), meta(7, 10)  # 7 and 10 split unevenly over 4, 2 and 3
+    memo: dict = {}
+    for src in placements:
+        for dst in placements:
+            redistribute_steps(mesh, src, dst, first, memo)
+            assert redistribute_steps(mesh, src, dst, other, memo) == redistribute_steps(mesh, src, dst, other)
+    assert len(memo) > 1000
