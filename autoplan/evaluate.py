@@ -143,11 +143,8 @@ def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict
     for fqn, g in tg.outputs_of("grad_param").items():
         if g is not None:
             edges.append(_Edge(*value_of(g), g, params[fqn], None, f"grad:{fqn}", "backward"))
-    tangents = tg.placeholder_for("tangent")
-    for i, o in tg.outputs_of("output").items():
-        if isinstance(o, fx.Node) and (i in fixed_outputs or i in tangents):
-            dst = None if i in fixed_outputs else tangents[i]
-            edges.append(_Edge(*value_of(o), o, dst, None, f"output:{i}", "forward", fixed_outputs.get(i)))
+    for s in tg.output_sinks(fixed_outputs):
+        edges.append(_Edge(*value_of(s.node), s.node, s.tangent, None, f"output:{s.index}", "forward", s.fixed))
     return edges
 
 

@@ -82,12 +82,15 @@ def output_targets(tg: TracedGraph, plan: Plan, fixed_outputs: dict[int, Placeme
     """Where each graph output must end up: constrained outputs, gradients in their parameter's placement."""
     params = tg.placeholder_for("param")
     inputs = tg.placeholder_for("input")
-    tangents = tg.placeholder_for("tangent")
+    sinks = {s.index: s for s in tg.output_sinks(fixed_outputs)}
     targets: list[Placements | None] = []
     for kind, target in tg.output_labels:
         if kind == "output":
-            default = plan.nodes[tangents[target].name].outputs[0] if target in tangents else None
-            targets.append(fixed_outputs.get(target, default))
+            s = sinks.get(target)
+            if s is None or s.fixed is not None:
+                targets.append(None if s is None else s.fixed)
+            else:
+                targets.append(plan.nodes[s.tangent.name].outputs[0])
         elif kind == "grad_param":
             targets.append(plan.nodes[params[target].name].outputs[0])
         elif kind == "grad_input":

@@ -172,14 +172,13 @@ def output_move_bytes(
 ) -> float:
     """Bytes the model outputs' moves to their constrained placements (or their tangents') hold at
     the end of the forward, where the lowering makes them."""
-    tangents, total = tg.placeholder_for("tangent"), 0.0
-    for i, o in tg.outputs_of("output").items():
-        if not isinstance(o, fx.Node) or o not in chosen:
+    total = 0.0
+    for s in tg.output_sinks(fixed_outputs):
+        if s.node not in chosen or (s.fixed is None and s.tangent not in chosen):
             continue
-        target = fixed_outputs.get(i, chosen[tangents[i]].outputs[0] if tangents.get(i) in chosen else None)
-        made = chosen[o].outputs[0]
-        if target is not None and made != target:
-            total += move(made, target, tensor_meta(o.meta["val"]))
+        target, made = s.fixed if s.fixed is not None else chosen[s.tangent].outputs[0], chosen[s.node].outputs[0]
+        if made != target:
+            total += move(made, target, tensor_meta(s.node.meta["val"]))
     return total
 
 

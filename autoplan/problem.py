@@ -368,19 +368,16 @@ def graph_edges(tg: TracedGraph, clustering: Clustering) -> dict[tuple, int]:
 def output_sinks(
     tg: TracedGraph, clustering: Clustering, fixed_outputs: dict[int, Placements]
 ) -> tuple[dict[tuple, int], list[tuple[fx.Node, int, Placements]]]:
-    """Model outputs: to a fixed placement when constrained, else to the placement of their tangent."""
-    tangents = tg.placeholder_for("tangent")
+    """Model outputs (``TracedGraph.output_sinks``): edges to their tangents, and moves to fixed placements."""
     rep = clustering.rep
     edges: dict[tuple, int] = defaultdict(int)
     sinks = []
-    for i, node in tg.outputs_of("output").items():
-        if not isinstance(node, fx.Node):
-            continue
-        u, k = value_of(node)
-        if i in fixed_outputs:
-            sinks.append((rep[u], k, fixed_outputs[i]))
-        elif i in tangents:
-            edges[(rep[u], k, rep[tangents[i]], "out")] += 1
+    for s in tg.output_sinks(fixed_outputs):
+        u, k = value_of(s.node)
+        if s.fixed is not None:
+            sinks.append((rep[u], k, s.fixed))
+        else:
+            edges[(rep[u], k, rep[s.tangent], "out")] += 1
     return edges, sinks
 
 

@@ -12,7 +12,7 @@ import copy
 import logging
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,28 @@ class TracedGraph:
         """Map label target -> node returned as that output ("output", "grad_param", "grad_input")."""
         outs = self.output_node.args[0]
         return {lab[1]: n for n, lab in zip(outs, self.output_labels) if lab[0] == kind}
+
+    def output_sinks(self, fixed: Mapping[int, Any]) -> list[OutputSink]:
+        """The model outputs with a placement to meet: the one ``fixed`` gives them (the user's
+        constraints, by output index), else their tangent's, which the backward reads them against.
+        The one rule the ILP, the costs, the memory model and the lowering all follow."""
+        tangents = self.placeholder_for("tangent")
+        return [
+            OutputSink(i, o, None if i in fixed else tangents[i], fixed.get(i))
+            for i, o in self.outputs_of("output").items()
+            if isinstance(o, fx.Node) and (i in fixed or i in tangents)
+        ]
+
+
+@dataclass(frozen=True)
+class OutputSink:
+    """Model output ``index`` (graph node ``node``) must end up in ``fixed`` when given, else in
+    the placement chosen for the placeholder ``tangent``."""
+
+    index: int
+    node: fx.Node
+    tangent: fx.Node | None
+    fixed: Any = None
 
 
 class _LossWrapper(nn.Module):
