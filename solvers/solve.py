@@ -176,6 +176,16 @@ def _point_with(
     return x, model.objective_value(x)
 
 
+def _distinct(model: LinearModel, guesses: list[np.ndarray]) -> list[np.ndarray]:
+    """``guesses`` less those whose integer columns repeat an earlier one's (a re-solve's start is
+    often the LP's rounding): each try is a solve."""
+    kept: list[np.ndarray] = []
+    for g in guesses:
+        if not any(np.array_equal(np.round(g[model.integer]), np.round(k[model.integer])) for k in kept):
+            kept.append(g)
+    return kept
+
+
 def solve(
     model: LinearModel,
     backend: str = "highs",
@@ -228,7 +238,9 @@ def solve(
             # a small MIP over only the columns the LP left fractional (a budget row splitting a few
             # choices), the others fixed at their LP value
             settled = model.integer & (np.abs(lp.x - np.round(lp.x)) <= 1e-6)
-            guesses = ([rounding(lp.x)] if rounding is not None else []) + ([start] if start is not None else [])
+            guesses = _distinct(
+                model, ([rounding(lp.x)] if rounding is not None else []) + ([start] if start is not None else [])
+            )
             tries = [(model.integer, g) for g in guesses] + [(settled, lp.x)]
             for k, (columns, values) in enumerate(tries):
                 point = _point_with(model, run, _remaining(opts, started), columns, values, passes)

@@ -1,5 +1,6 @@
 """Tests for the solvers package: model building, both backends, LP-first, diagnosis, limits."""
 
+import importlib
 import itertools
 import json
 import math
@@ -293,3 +294,23 @@ def test_auto_backend_and_unknown_backend():
     assert solve(knapsack_model(), backend="auto").backend == "highs"
     with pytest.raises(ValueError):
         solve(knapsack_model(), backend="gurobi")
+
+
+def test_a_start_equal_to_the_rounding_is_completed_once(monkeypatch):
+    """A re-solve's start is often the LP's rounding: each guess is a solve, so a repeat is skipped."""
+    solve_module = importlib.import_module("solvers.solve")  # the package exports a function of that name
+    runs = []
+    real = solve_module._BACKENDS["highs"]
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda *a: runs.append(a[1]) or real(*a))
+    model, _ = multi_knapsack(n=60, k=4)
+    guess = np.zeros(model.n_cols)
+    guess[:3] = 1.0
+    other = np.zeros(model.n_cols)
+    other[3:6] = 1.0
+    counts = []
+    for start in (guess.copy(), other):
+        runs.clear()
+        res = solve(model, rounding=lambda x: guess, start=start)
+        assert res.objective <= min(model.objective_value(guess), model.objective_value(other))
+        counts.append(len(runs))
+    assert counts[1] == counts[0] + 1
