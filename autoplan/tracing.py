@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoplan import attention as attn
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
+from autoplan.adapters.fx import lazy_graph_modules
 from autoplan.errors import AutoplanError, ConstraintError, TracingError
 from autoplan.progress import ticker
 
@@ -318,7 +319,7 @@ def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode):
 
     primals = [p.detach().requires_grad_(p.requires_grad) for _, p in named_params]
     primals += [b for _, b in named_buffers] + flat_args
-    with fake_mode:
+    with fake_mode, lazy_graph_modules():
         gm = make_fx(joint, tracing_mode="real")(primals, tangents)
     in_labels = [("param", n) for n, _ in named_params] + [("buffer", n) for n, _ in named_buffers]
     in_labels += [("input", i) for i in range(len(flat_args))] + [("tangent", i) for i in diff_out]

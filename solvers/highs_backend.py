@@ -53,7 +53,7 @@ def _new_highs(highspy: Any, opts: SolverOptions) -> Any:
     h = highspy.Highs()
     h.setOptionValue("output_flag", opts.verbose)
     h.setOptionValue("random_seed", 0)
-    h.setOptionValue("presolve", "on")
+    h.setOptionValue("presolve", "on" if opts.presolve else "off")
     h.setOptionValue("mip_rel_gap", float(opts.mip_rel_gap))
     if opts.time_limit is not None:
         h.setOptionValue("time_limit", max(float(opts.time_limit), 0.0))

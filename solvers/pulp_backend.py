@@ -84,6 +84,7 @@ def _cbc(integral: bool, opts: SolverOptions) -> pulp.PULP_CBC_CMD:
             timeLimit=opts.time_limit,
             gapRel=opts.mip_rel_gap if integral else None,
             threads=opts.threads,
+            presolve=opts.presolve,
             warmStart=integral and opts.start is not None,
             options=list(_CBC_SEED_OPTIONS),
         )

@@ -76,6 +76,7 @@ class SolverOptions:
     mip_rel_gap: float = 1e-6
     threads: int | None = None
     verbose: bool = False
+    presolve: bool = True
     start: np.ndarray | None = field(default=None, compare=False)  # a feasible point the MIP search starts from
 
 

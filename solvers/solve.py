@@ -222,7 +222,9 @@ def solve(
     lp_bound = -math.inf
     best: tuple[np.ndarray, float] | None = None
     if lp_first or model.n_integer == 0:
-        lp = run(model, False, opts)
+        # the relaxation without presolve: on placement LPs HiGHS's presolve costs more than it
+        # saves (LLaMA-3 8B on 8x4x4: 24.3 s with it, 15.0 s without; on 16x8: 0.40 s, 0.30 s)
+        lp = run(model, False, replace(opts, presolve=False))
         passes.append(lp)
         if lp.status is SolveStatus.OPTIMAL and _is_integral(model, lp.x):
             x = _rounded(model, lp.x)

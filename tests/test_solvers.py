@@ -314,3 +314,14 @@ def test_a_start_equal_to_the_rounding_is_completed_once(monkeypatch):
         assert res.objective <= min(model.objective_value(guess), model.objective_value(other))
         counts.append(len(runs))
     assert counts[1] == counts[0] + 1
+
+
+def test_the_relaxation_runs_without_presolve_and_the_mip_with_it(monkeypatch):
+    """HiGHS's presolve costs more than it saves on placement LPs; the MIP search keeps it."""
+    solve_module = importlib.import_module("solvers.solve")
+    runs = []
+    real = solve_module._BACKENDS["highs"]
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, i, o: runs.append((i, o.presolve)) or real(m, i, o))
+    res = solve(knapsack_model())
+    assert res.objective == pytest.approx(knapsack_brute_force())
+    assert runs[0] == (False, False) and runs[-1] == (True, True)
