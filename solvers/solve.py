@@ -28,6 +28,8 @@ Backend = Callable[[LinearModel, bool, SolverOptions], RawSolution]
 
 _BACKENDS: dict[str, Backend] = {"highs": solve_highs, "cbc": solve_cbc}
 INTEGRALITY_TOL = 1e-6
+# the column-row-column steps a neighbourhood MIP reaches out from the LP's fractional columns
+NEIGHBOURHOOD_HOPS = (2, 4)
 
 
 def _backend_name(backend: str) -> str:
@@ -176,6 +178,18 @@ def _point_with(
     return x, model.objective_value(x)
 
 
+def _neighbourhoods(model: LinearModel, fractional: np.ndarray) -> list[np.ndarray]:
+    """The integer columns a neighbourhood MIP leaves free: the fractional ones, then those within
+    ``NEIGHBOURHOOD_HOPS`` steps of them; growing, and never all of them (that is the full MIP)."""
+    out: list[np.ndarray] = []
+    for hops in (0, *NEIGHBOURHOOD_HOPS):
+        free = model.near(fractional, hops) & model.integer
+        if np.array_equal(free, model.integer) or (out and np.array_equal(free, out[-1])):
+            break
+        out.append(free)
+    return out
+
+
 def _distinct(model: LinearModel, guesses: list[np.ndarray]) -> list[np.ndarray]:
     """``guesses`` less those whose integer columns repeat an earlier one's (a re-solve's start is
     often the LP's rounding): each try is a solve."""
@@ -237,13 +251,16 @@ def solve(
         if lp.status is SolveStatus.OPTIMAL:
             lp_bound = lp.bound
             # integer points to complete, cheapest tries first: the rounded LP, the given start, then
-            # a small MIP over only the columns the LP left fractional (a budget row splitting a few
-            # choices), the others fixed at their LP value
+            # small MIPs over the columns the LP left fractional and those within a few rows of
+            # them, the others fixed at their LP value (on 8B's 8x4x4 ILP: 4 fractional columns,
+            # rounding 2.75% above the bound, 4 steps around them 0.38% in 5.7 s, the whole MIP 104 s)
             settled = model.integer & (np.abs(lp.x - np.round(lp.x)) <= 1e-6)
             guesses = _distinct(
                 model, ([rounding(lp.x)] if rounding is not None else []) + ([start] if start is not None else [])
             )
-            tries = [(model.integer, g) for g in guesses] + [(settled, lp.x)]
+            tries = [(model.integer, g) for g in guesses] + [
+                (model.integer & ~f, lp.x) for f in _neighbourhoods(model, model.integer & ~settled)
+            ]
             for k, (columns, values) in enumerate(tries):
                 point = _point_with(model, run, _remaining(opts, started), columns, values, passes)
                 if point is not None and (best is None or point[1] < best[1]):
