@@ -87,8 +87,10 @@ def output_targets(tg: TracedGraph, plan: Plan, fixed_outputs: dict[int, Placeme
     for kind, target in tg.output_labels:
         if kind == "output":
             s = sinks.get(target)
-            if s is None or s.fixed is not None:
-                targets.append(None if s is None else s.fixed)
+            if s is None:
+                targets.append(None)
+            elif s.fixed is not None:
+                targets.append(s.fixed)
             else:
                 targets.append(plan.nodes[s.tangent.name].outputs[0])
         elif kind == "grad_param":
