@@ -409,3 +409,24 @@ def test_remembered_redistribute_steps_are_dtensors_own():
             redistribute_steps(mesh, src, dst, first, memo)
             assert redistribute_steps(mesh, src, dst, other, memo) == redistribute_steps(mesh, src, dst, other)
     assert len(memo) > 1000
+
+
+def test_every_rank_prices_an_uneven_move_alike():
+    """DTensor records each step's logical shape as this rank sees it, smaller on the short shards of
+    an uneven split. Priced that way, ranks planning on their own (torchrun) could pick different
+    plans; the steps carry the largest shard's shape wherever this rank sits in the mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    from autoplan.adapters.dtensor import make_spec
+
+    init_fake_world()
+    first = fake_mesh((2, 4))
+    last = DeviceMesh("cpu", torch.arange(8).flip(0).reshape(2, 4))  # this rank at coordinate (1, 3)
+    src, dst, m = (Shard(0), Shard(0)), (R, R), meta(7, 3)
+    seen_here = [tuple(i.logical_shape) for i in _gen_transform_infos(make_spec(last, src, m), make_spec(last, dst, m))]
+    assert (3, 3) in seen_here  # DTensor's own view from the short shard
+    steps = redistribute_steps(last, src, dst, m)
+    assert steps == redistribute_steps(first, src, dst, m)
+    assert [s.logical_shape for s in steps] == [(4, 3), (7, 3)]
+    assert CostModel(last).redistribute_cost(src, dst, m) == CostModel(first).redistribute_cost(src, dst, m)

@@ -55,28 +55,26 @@ class RedistributeStep:
 def redistribute_steps(
     mesh: DeviceMesh, src: Placements, dst: Placements, meta: TensorMeta, memo: dict | None = None
 ) -> tuple[RedistributeStep, ...]:
-    """The ordered per-mesh-dim steps DTensor's redistribute uses to go from ``src`` to ``dst``.
+    """The ordered per-mesh-dim steps DTensor's redistribute uses to go from ``src`` to ``dst``,
+    with each step's logical shape as the rank holding the largest shards sees it (DTensor records
+    this rank's, which differs on uneven splits: every rank must price a move alike to plan alike).
 
     ``memo``: a dict the caller keeps for this one mesh. DTensor's greedy search picks the
-    transitions from the placements alone (only each step's logical shape reads the tensor's), so
-    they are asked of DTensor once per placement pair and tensor rank: on a 3-D mesh that is 4x
-    fewer searches than one per tensor.
+    transitions from the placements alone, so they are asked of DTensor once per placement pair
+    and tensor rank: on a 3-D mesh that is 4x fewer searches than one per tensor.
     """
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return ()
     key = (src, dst, len(meta.shape))
-    if memo is not None and key in memo:
-        shapes = _logical_shapes(mesh, src, meta)
-        return tuple(RedistributeStep(d, a, b, shapes[d]) for d, a, b in memo[key])
-    infos = _gen_transform_infos(make_spec(mesh, src, meta), make_spec(mesh, dst, meta))
-    steps = tuple(
-        RedistributeStep(i.mesh_dim, i.src_dst_placements[0], i.src_dst_placements[1], tuple(i.logical_shape))
-        for i in infos
-    )
-    if memo is not None and _greedy(src, dst):
-        memo[key] = [(t.mesh_dim, t.src, t.dst) for t in steps]
-    return steps
+    transitions = memo.get(key) if memo is not None else None
+    if transitions is None:
+        infos = _gen_transform_infos(make_spec(mesh, src, meta), make_spec(mesh, dst, meta))
+        transitions = [(i.mesh_dim, *i.src_dst_placements) for i in infos]
+        if memo is not None and _greedy(src, dst):
+            memo[key] = transitions
+    shapes = _logical_shapes(mesh, src, meta)
+    return tuple(RedistributeStep(d, a, b, shapes[d]) for d, a, b in transitions)
 
 
 def _greedy(src: Placements, dst: Placements) -> bool:
@@ -88,12 +86,12 @@ def _greedy(src: Placements, dst: Placements) -> bool:
 
 def _logical_shapes(mesh: DeviceMesh, src: Placements, meta: TensorMeta) -> list[tuple[int, ...]]:
     """The tensor's shape as each mesh dim's step sees it: split by ``src``'s shards on the mesh
-    dims before it (this rank's shard, as DTensor's greedy search records it)."""
+    dims before it (the first, largest shard: DTensor's rule at coordinate 0)."""
     shapes = [tuple(meta.shape)]
     for i, p in enumerate(src[:-1]):
         shape = shapes[-1]
         if isinstance(p, Shard):
-            size, _ = p._local_shard_size_and_offset(shape[p.dim], mesh.size(i), mesh._sym_get_coordinate(i))
+            size, _ = p._local_shard_size_and_offset(shape[p.dim], mesh.size(i), 0)
             shape = (*shape[: p.dim], size, *shape[p.dim + 1 :])
         shapes.append(shape)
     return shapes
