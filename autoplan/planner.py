@@ -3,8 +3,9 @@
 It prices the reduced problem, adds the user's rows (pins, parameter and peak budgets, recompute
 options), solves, re-solves the boundary layers on their own, and prices the expanded plan. The
 peak cap is bounded lazily: at a few candidate steps first, then at each step where the plan's
-estimated peak still exceeds the cap, until it does not (``memory``). ``AutoParallel`` is the front
-that collects the constraints; this module owns the solve.
+estimated peak still exceeds the cap, until it does not (the rows come from ``peak``, the estimates
+from ``memory``). ``AutoParallel`` is the front that collects the constraints; this module owns
+the solve.
 """
 
 from __future__ import annotations
@@ -16,40 +17,32 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan import memory, mismatch, overlap, recompute
-from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering, untie
-from autoplan.costs import CostModel, local_bytes
+from autoplan.costs import CostModel
 from autoplan.devices import DeviceProfile
 from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
-from autoplan.ilp import POLISH_S, BudgetRow, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
+from autoplan.ilp import POLISH_S, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
+from autoplan.peak import PEAK_GROUP, PeakRows, Point, option_name, peak_group
 from autoplan.plan import Plan
 from autoplan.problem import (
-    Linear,
     PlacementProblem,
     allowed_strategies,
     build_problem,
     forward_costs,
-    input_moves,
-    output_moves,
 )
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
 from solvers import OPTIMALITY_GAP, InfeasibleError, SolverTimeoutError
 
 log = logging.getLogger(__name__)
-# where a peak row bounds the live bytes: a base schedule step, or the recomputed copy (run right
-# before that step, which triggers its chain) at whose run the row measures what recomputing keeps
-Point = tuple[int, "memory.Recomputed | None"]
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
 DEFAULT_GAP = 1e-2  # relative MIP gap a plan is certified within by default (``AutoParallel``)
 NO_RECOMPUTE = "none"
-_PEAK_GROUP = "memory constraint: estimated peak"
 _SMALLEST_PEAK_S = 60.0  # time for finding the least peak an infeasible cap's error reports
 
 
@@ -95,18 +88,7 @@ class Planner:
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
-        self.params = set(self.tg.placeholder_for("param").values())
-        self.schedule = memory.schedule(self.tg)
-        # what a move holds while it runs depends on the mesh alone, not on the device profile
-        self._move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
-        self.layers = recompute.layers(self.tg.gm.graph)
-        self._tagged = {
-            (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
-        }
-        self._option_schedules: dict[str, tuple[memory.Schedule, np.ndarray]] = {}
-        self._changes: dict[tuple, dict[str, tuple[list, list]]] = {}
-        where = self.clustering.instance
-        self._twin = {(r, where[n]): n for n, r in self.clustering.rep.items() if where.get(n)}  # (rep, layer) -> node
+        self.peak = PeakRows(self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer)
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -123,19 +105,6 @@ class Planner:
             rows.append(FixedRows(group, tuple(items)))
         return rows
 
-    def _bytes(self, problem: PlacementProblem, nodes) -> Linear:
-        """Bytes of ``nodes``' storages (a parameter's with its optimizer states), per unit strategy."""
-        out = Linear()
-        for n in nodes:
-            rep = problem.clustering.rep.get(n)
-            if rep not in problem.root:
-                continue
-            unit, m = problem.root[rep]
-            outputs = [problem.strategies[rep][i].outputs for i in m]
-            per = [memory.row_bytes(n, o, self.params, self.mesh_shape, self.optimizer) for o in outputs]
-            out.add_unit(unit, np.array(per))
-        return out
-
     def _options(self, problem: PlacementProblem, request: Request, cost_model: CostModel) -> list[RecomputeVar]:
         """Recompute options worth a variable: every layer's when a peak cap could want them, but
         only the pinned option of a pinned layer (a layer pinned to ``"none"`` has none)."""
@@ -143,148 +112,14 @@ class Planner:
             return []
         offered = [
             (layer, option, nodes)
-            for (layer, option), nodes in self._tagged.items()
+            for (layer, option), nodes in self.peak.tagged.items()
             if nodes and request.recompute.get(layer, option if request.peak_budget is not None else None) == option
         ]
         seconds = forward_costs(self.tg, problem, cost_model, [nodes for _, _, nodes in offered])
         return [
-            RecomputeVar(_option_name(layer, option), layer, s, layer in request.recompute, option)
+            RecomputeVar(option_name(layer, option), layer, s, layer in request.recompute, option)
             for (layer, option, _), s in zip(offered, seconds)
         ]
-
-    def _option_schedule(self, option: str) -> tuple[memory.Schedule, np.ndarray]:
-        """The schedule with every layer recomputing under ``option`` (what each layer frees is its
-        own), and its unsharded live profile."""
-        if option not in self._option_schedules:
-            nodes = frozenset().union(*(t for (_, o), t in self._tagged.items() if o == option))
-            sched = memory.schedule(self.tg, nodes)
-            self._option_schedules[option] = sched, memory.live_profile(sched)
-        return self._option_schedules[option]
-
-    def _layer_of(self, n: fx.Node, option: str) -> str:
-        """Which layer's recompute a changed storage belongs to: its own, or its first recomputed reader's."""
-        layer = recompute.layer_of(n)
-        if (layer, option) in self._tagged:
-            return layer
-        for u in n.users:
-            if u in self._tagged.get((recompute.layer_of(u), option), ()):
-                return recompute.layer_of(u)
-        return ""
-
-    def _changes_at(self, step: int, option: str, copy: memory.Recomputed | None) -> dict[str, tuple[list, list]]:
-        """Per layer, the storages its ``option`` frees and keeps alive at ``step`` (at ``copy``'s
-        run, where the option recomputes it), in schedule order (they depend on the trace alone:
-        computed once for every solve, round and re-solve)."""
-        if (step, option, copy) not in self._changes:
-            frees, keeps = memory.recompute_changes(self.schedule, *self._option_schedule(option), step, copy)
-            by_layer: dict[str, tuple[list, list]] = {}
-            for side, nodes in enumerate((frees, keeps)):
-                for n in sorted(nodes, key=self.schedule.step.__getitem__):
-                    by_layer.setdefault(self._layer_of(n, option), ([], []))[side].append(n)
-            self._changes[(step, option, copy)] = dict(sorted(by_layer.items()))
-        return self._changes[(step, option, copy)]
-
-    def _point(self, sched: memory.Schedule, name: str) -> tuple[Point, int]:
-        """Where a row bounds the peak a plan's schedule ``sched`` reaches at its entry ``name``,
-        and that entry's step in ``sched``: a recomputed copy's point is the backward op that
-        triggers its chain (the next original entry), at the copy."""
-        at = next(i for i, k in enumerate(sched.order) if k.name == name)
-        t = at
-        while isinstance(sched.order[t], memory.Recomputed):
-            t += 1
-        copy = sched.order[at] if isinstance(sched.order[at], memory.Recomputed) else None
-        return (self.schedule.step[sched.order[t]], copy), at
-
-    def _missed(
-        self, sched: memory.Schedule, report, chosen: dict[fx.Node, Strategy], request: Request
-    ) -> tuple[Point, float]:
-        """Where a row bounds the plan's estimated peak, and the bytes of it that row does not count."""
-        t, at = self._point(sched, report.peak_at)
-        linear = memory.linear_peak_bytes(
-            sched, at, chosen, self.params, self.mesh_shape, self.optimizer, self._move_bytes
-        )
-        if t == (self.schedule.forward_end, None):
-            linear += memory.output_move_bytes(self.tg, chosen, request.outputs, self._move_bytes)
-        return t, report.peak_bytes - linear
-
-    def _bound(self, steps: dict[Point, float], point: Point, missed: float) -> None:
-        """Bound the peak at ``point`` less ``missed``, and at its analogues in identical layers."""
-        steps[point] = missed
-        for a in self._analogues(point):
-            steps.setdefault(a, 0.0)
-
-    def _analogues(self, point: Point) -> list[Point]:
-        """The same point in every other layer tied to its layer: a peak found in one of identical
-        layers is bounded in all of them at once, not one round per layer."""
-        t, copy = point
-        op = self.schedule.order[t]
-        layer = self.clustering.instance.get(op, "")
-        tied = next((c for c in self.clustering.classes if layer in c), ())
-        out = []
-        for where in tied:
-            other = self._twin.get((self.clustering.rep[op], where))
-            twin = self._twin.get((self.clustering.rep[copy.node], where)) if copy is not None else None
-            if where == layer or other not in self.schedule.step or (copy is not None and twin is None):
-                continue
-            out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin)))
-        return out
-
-    def _rerun_layer(self, copy: memory.Recomputed | None, option: str) -> str | None:
-        """The layer whose ``option`` runs ``copy`` again, if any."""
-        if copy is None:
-            return None
-        layer = recompute.layer_of(copy.node)
-        return layer if copy.node in self._tagged.get((layer, option), ()) else None
-
-    def _peak_rows(
-        self, problem: PlacementProblem, request: Request, steps: dict[Point, float], options: list[RecomputeVar]
-    ) -> list[BudgetRow]:
-        """The estimated peak at each bounded step, linear in the placements and recompute choices."""
-        if request.peak_budget is None:
-            return []
-        index = {o.name: i for i, o in enumerate(options)}
-        rows = []
-        for (step, copy), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]))):
-            alive = [memory.node_of(k) for k in memory.live_storages(self.schedule, step)]
-            terms = []
-            for option in recompute.OPTIONS:
-                if not any(_option_name(layer, option) in index for layer in self.layers):
-                    continue
-                changes = dict(self._changes_at(step, option, copy))
-                rerun = self._rerun_layer(copy, option)  # its keeps include the copy's input moves
-                if rerun is not None:
-                    changes.setdefault(rerun, ([], []))
-                for layer, (f, k) in changes.items():
-                    if (i := index.get(_option_name(layer, option))) is not None:
-                        keeps = self._bytes(problem, k)
-                        if layer == rerun:
-                            keeps.add(input_moves(problem, [copy.node], self._move_bytes))
-                        terms.append((i, self._bytes(problem, f), keeps))
-            coeffs = tuple(self._bytes(problem, alive).units.items())
-            ops, views = memory.moves_at(self.schedule, step)
-            moves = input_moves(problem, ops, self._move_bytes)
-            moves.add(input_moves(problem, views, memory.moved_copy_bytes(self.mesh_shape)))
-            if step == self.schedule.forward_end and copy is None:  # where the lowering moves the outputs
-                moves.add(output_moves(self.tg, problem, request.outputs, self._move_bytes))
-            group = _peak_group(request)
-            name = copy.name if copy is not None else self.schedule.order[step].name
-            limit = request.peak_budget - missed
-            row = BudgetRow(f"{group} (at {name})", coeffs, limit, tuple(terms), request.peak_budget, moves)
-            rows.append(row)
-        return rows
-
-    def _param_row(self, problem: PlacementProblem, budget: float) -> BudgetRow:
-        coeffs: dict[fx.Node, np.ndarray] = {}
-        for n in self.tg.placeholder_for("param").values():
-            rep = problem.clustering.rep[n]
-            if rep is not n:
-                continue
-            unit, m = problem.root[rep]
-            meta = tensor_meta(n.meta["val"])
-            per = [local_bytes(meta, problem.strategies[rep][i].output, self.mesh_shape) for i in m]
-            coeffs[unit] = coeffs.get(unit, 0) + np.array(per, dtype=float) * problem.clustering.multiplicity[rep]
-        group = f"memory constraint: parameter bytes per device <= {budget:.6g}"
-        return BudgetRow(group, tuple(coeffs.items()), budget)
 
     # ---- solves -------------------------------------------------------------------------
 
@@ -311,9 +146,9 @@ class Planner:
             self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers, least
         )
         options = self._options(problem, request, cost_model)
-        budgets = self._peak_rows(problem, request, steps, options)
+        budgets = self.peak.rows(problem, request.peak_budget, request.outputs, steps, options)
         if request.param_budget is not None:
-            budgets.append(self._param_row(problem, request.param_budget))
+            budgets.append(self.peak.param_row(problem, request.param_budget))
         solved = solve_placement(
             problem,
             self._fixed_rows(problem, request),
@@ -332,13 +167,13 @@ class Planner:
         return problem, solved, expand_choice(self.tg, problem, solved.choice)
 
     def recomputed(self, choice: dict[str, str]) -> frozenset[fx.Node]:
-        return frozenset().union(*(self._tagged[(layer, o)] for layer, o in choice.items()))
+        return frozenset().union(*(self.peak.tagged[(layer, o)] for layer, o in choice.items()))
 
     def estimate(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str], request: Request):
         """The memory report of a plan and the schedule it was walked on."""
-        sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.schedule
+        sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.peak.schedule
         report = memory.estimate(
-            self.tg, chosen, self.mesh_shape, self.optimizer, sched, self._move_bytes, request.outputs
+            self.tg, chosen, self.mesh_shape, self.optimizer, sched, self.peak.move_bytes, request.outputs
         )
         return report, sched
 
@@ -356,11 +191,11 @@ class Planner:
             report, sched = self.estimate(chosen, _choice(solved.recompute), request)
             if not _over(report, request):
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            t, missed = self._missed(sched, report, chosen, request)
+            t, missed = self.peak.missed(sched, report, chosen, request.outputs)
             missed = max(steps.get(t, 0.0), missed)
             if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
                 missed = steps[t] + report.peak_bytes - request.peak_budget
-            self._bound(steps, t, missed)
+            self.peak.bound(steps, t, missed)
         return _Solved(problem, solved, chosen, False, steps, build_s, solve_s)
 
     def _main_solve(self, request: Request, cost_model: CostModel) -> _Solved:
@@ -370,7 +205,7 @@ class Planner:
         it is (``polish_s=0``), and only the last round's plan, once within the cap, is polished by
         the full MIP: the polish is the slow part, and an earlier round's is thrown away."""
         capped = request.peak_budget is not None
-        steps = {(t, None): 0.0 for t in memory.candidate_steps(self.schedule, count=2)} if capped else {}
+        steps = {(t, None): 0.0 for t in memory.candidate_steps(self.peak.schedule, count=2)} if capped else {}
         t0 = time.perf_counter()
 
         start = self._start_of(request.start)
@@ -378,11 +213,11 @@ class Planner:
         def solve_with(steps, time_limit=self.time_limit, **kw):
             if start is not None:
                 kw.setdefault("start", start)
-                kw.setdefault("start_recompute", tuple(_option_name(*lo) for lo in request.start.recompute.items()))
+                kw.setdefault("start_recompute", tuple(option_name(*lo) for lo in request.start.recompute.items()))
             try:
                 return self._solve(request, self.clustering, self.strategies, cost_model, steps, time_limit, **kw)
             except InfeasibleError as e:
-                if capped and any(g.startswith(_PEAK_GROUP) for g in e.groups):
+                if capped and any(g.startswith(PEAK_GROUP) for g in e.groups):
                     raise self._smallest_peak_error(e, request, cost_model, steps) from e
                 raise
 
@@ -395,7 +230,7 @@ class Planner:
             except NoSeedError:
                 least = self._least_peak(request, cost_model, steps)
                 if least is not None and least > request.peak_budget:
-                    group = _peak_group(request)
+                    group = peak_group(request.peak_budget)
                     raise _cap_error((group,), f"No plan meets the {group}.", least) from None
                 return solve_with(steps, polish_s=0.0)
 
@@ -454,8 +289,8 @@ class Planner:
         options' MIP is not. Raises ``InfeasibleError`` when the other constraints conflict."""
         deadline = time.perf_counter() + _SMALLEST_PEAK_S
         least = None
-        for option in (NO_RECOMPUTE, *recompute.OPTIONS) if self.layers else (NO_RECOMPUTE,):
-            pins = {**dict.fromkeys(self.layers, option), **request.recompute}
+        for option in (NO_RECOMPUTE, *recompute.OPTIONS) if self.peak.layers else (NO_RECOMPUTE,):
+            pins = {**dict.fromkeys(self.peak.layers, option), **request.recompute}
             peak = self._smallest_peak(dataclasses.replace(request, recompute=pins), cost_model, steps, deadline)
             if peak is not None:
                 least = peak if least is None else min(least, peak)
@@ -482,10 +317,10 @@ class Planner:
             least = report.peak_bytes if least is None else min(least, report.peak_bytes)
             if report.peak_bytes <= solved.peak + 1.0:
                 break
-            t, missed = self._missed(sched, report, chosen, request)
+            t, missed = self.peak.missed(sched, report, chosen, request.outputs)
             if t in steps and missed <= steps[t]:
                 break
-            self._bound(steps, t, missed)
+            self.peak.bound(steps, t, missed)
         return least
 
     def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit, least):
@@ -509,7 +344,7 @@ class Planner:
         if request.peak_budget is None and not request.recompute:
             pinned = request  # no recompute variables at all
         else:
-            pins = {**{layer: NO_RECOMPUTE for layer in self.layers}, **_choice(recomputed)}
+            pins = {**{layer: NO_RECOMPUTE for layer in self.peak.layers}, **_choice(recomputed)}
             pinned = dataclasses.replace(request, recompute=pins)
 
         own_least = {n: least[self.clustering.rep[n]] for n in strategies}
@@ -644,17 +479,9 @@ class Planner:
         return options
 
 
-def _option_name(layer: str, option: str) -> str:
-    return f"{layer}: {option}"
-
-
 def _choice(names: tuple[str, ...]) -> dict[str, str]:
     """Recompute option names ("layers.3: full") as layer -> option."""
     return dict(name.split(": ", 1) for name in names)
-
-
-def _peak_group(request: Request) -> str:
-    return f"{_PEAK_GROUP} bytes per device <= {request.peak_budget:.6g}"
 
 
 def _cap_error(groups: tuple[str, ...], why: str, least: int) -> InfeasiblePlanError:
@@ -676,10 +503,6 @@ def _layer_key(layer: str) -> tuple:
 
 def _over(report, request: Request) -> bool:
     return request.peak_budget is not None and report.peak_bytes > request.peak_budget * (1 + 1e-9)
-
-
-def _name(copy: memory.Recomputed | None) -> str:
-    return "" if copy is None else copy.name
 
 
 def _rerun_seconds(ev, rerun: frozenset[fx.Node], tg: TracedGraph) -> float:

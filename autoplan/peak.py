@@ -1,0 +1,224 @@
+"""The ILP's rows for memory: the estimated peak per device at chosen schedule steps, and the
+parameter budget.
+
+The bytes alive at a step are linear in the placements (each live storage's local shard, the
+moves running then) and in the recompute options (what each layer's option frees there, and what
+it keeps alive for its recomputed copies). The planner bounds the peak lazily, at a few ``Point``s
+first and then where a plan's estimated peak still exceeds the cap; this module builds those rows,
+finds the analogue points of tied layers, and says how much of a plan's peak a row does not count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoplan import memory, recompute
+from autoplan.adapters.dtensor import tensor_meta
+from autoplan.clustering import Clustering
+from autoplan.costs import CostModel, local_bytes
+from autoplan.devices import DeviceProfile
+from autoplan.ilp import BudgetRow, RecomputeVar
+from autoplan.problem import Linear, PlacementProblem, input_moves, output_moves
+from autoplan.strategies import Placements, Strategy
+from autoplan.tracing import TracedGraph
+
+# where a peak row bounds the live bytes: a base schedule step, or the recomputed copy (run right
+# before that step, which triggers its chain) at whose run the row measures what recomputing keeps
+Point = tuple[int, "memory.Recomputed | None"]
+PEAK_GROUP = "memory constraint: estimated peak"
+
+
+def option_name(layer: str, option: str) -> str:
+    return f"{layer}: {option}"
+
+
+def peak_group(peak_budget: float) -> str:
+    return f"{PEAK_GROUP} bytes per device <= {peak_budget:.6g}"
+
+
+@dataclass
+class PeakRows:
+    """What the rows depend on that the trace alone decides: the schedule, each layer's recompute
+    options and the storages they change at each step (worked out once, for every solve, round
+    and re-solve)."""
+
+    tg: TracedGraph
+    clustering: Clustering
+    mesh: DeviceMesh
+    device_profile: DeviceProfile
+    optimizer: memory.OptimizerSpec
+
+    def __post_init__(self) -> None:
+        self.mesh_shape = tuple(self.mesh.shape)
+        self.params = set(self.tg.placeholder_for("param").values())
+        self.schedule = memory.schedule(self.tg)
+        # what a move holds while it runs depends on the mesh alone, not on the device profile
+        self.move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
+        self.layers = recompute.layers(self.tg.gm.graph)
+        self.tagged = {
+            (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
+        }
+        self._option_schedules: dict[str, tuple[memory.Schedule, np.ndarray]] = {}
+        self._changes: dict[tuple, dict[str, tuple[list, list]]] = {}
+        where = self.clustering.instance
+        self._twin = {(r, where[n]): n for n, r in self.clustering.rep.items() if where.get(n)}  # (rep, layer) -> node
+
+    def storage_bytes(self, problem: PlacementProblem, nodes) -> Linear:
+        """Bytes of ``nodes``' storages (a parameter's with its optimizer states), per unit strategy."""
+        out = Linear()
+        for n in nodes:
+            rep = problem.clustering.rep.get(n)
+            if rep not in problem.root:
+                continue
+            unit, m = problem.root[rep]
+            outputs = [problem.strategies[rep][i].outputs for i in m]
+            per = [memory.row_bytes(n, o, self.params, self.mesh_shape, self.optimizer) for o in outputs]
+            out.add_unit(unit, np.array(per))
+        return out
+
+    def _option_schedule(self, option: str) -> tuple[memory.Schedule, np.ndarray]:
+        """The schedule with every layer recomputing under ``option`` (what each layer frees is its
+        own), and its unsharded live profile."""
+        if option not in self._option_schedules:
+            nodes = frozenset().union(*(t for (_, o), t in self.tagged.items() if o == option))
+            sched = memory.schedule(self.tg, nodes)
+            self._option_schedules[option] = sched, memory.live_profile(sched)
+        return self._option_schedules[option]
+
+    def _layer_of(self, n: fx.Node, option: str) -> str:
+        """Which layer's recompute a changed storage belongs to: its own, or its first recomputed reader's."""
+        layer = recompute.layer_of(n)
+        if (layer, option) in self.tagged:
+            return layer
+        for u in n.users:
+            if u in self.tagged.get((recompute.layer_of(u), option), ()):
+                return recompute.layer_of(u)
+        return ""
+
+    def _changes_at(self, step: int, option: str, copy: memory.Recomputed | None) -> dict[str, tuple[list, list]]:
+        """Per layer, the storages its ``option`` frees and keeps alive at ``step`` (at ``copy``'s
+        run, where the option recomputes it), in schedule order (they depend on the trace alone:
+        computed once for every solve, round and re-solve)."""
+        if (step, option, copy) not in self._changes:
+            frees, keeps = memory.recompute_changes(self.schedule, *self._option_schedule(option), step, copy)
+            by_layer: dict[str, tuple[list, list]] = {}
+            for side, nodes in enumerate((frees, keeps)):
+                for n in sorted(nodes, key=self.schedule.step.__getitem__):
+                    by_layer.setdefault(self._layer_of(n, option), ([], []))[side].append(n)
+            self._changes[(step, option, copy)] = dict(sorted(by_layer.items()))
+        return self._changes[(step, option, copy)]
+
+    def _point(self, sched: memory.Schedule, name: str) -> tuple[Point, int]:
+        """Where a row bounds the peak a plan's schedule ``sched`` reaches at its entry ``name``,
+        and that entry's step in ``sched``: a recomputed copy's point is the backward op that
+        triggers its chain (the next original entry), at the copy."""
+        at = next(i for i, k in enumerate(sched.order) if k.name == name)
+        t = at
+        while isinstance(sched.order[t], memory.Recomputed):
+            t += 1
+        copy = sched.order[at] if isinstance(sched.order[at], memory.Recomputed) else None
+        return (self.schedule.step[sched.order[t]], copy), at
+
+    def missed(
+        self, sched: memory.Schedule, report, chosen: dict[fx.Node, Strategy], outputs: dict[int, Placements]
+    ) -> tuple[Point, float]:
+        """Where a row bounds the plan's estimated peak, and the bytes of it that row does not count."""
+        t, at = self._point(sched, report.peak_at)
+        linear = memory.linear_peak_bytes(
+            sched, at, chosen, self.params, self.mesh_shape, self.optimizer, self.move_bytes
+        )
+        if t == (self.schedule.forward_end, None):
+            linear += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes)
+        return t, report.peak_bytes - linear
+
+    def bound(self, steps: dict[Point, float], point: Point, missed: float) -> None:
+        """Bound the peak at ``point`` less ``missed``, and at its analogues in identical layers."""
+        steps[point] = missed
+        for a in self._analogues(point):
+            steps.setdefault(a, 0.0)
+
+    def _analogues(self, point: Point) -> list[Point]:
+        """The same point in every other layer tied to its layer: a peak found in one of identical
+        layers is bounded in all of them at once, not one round per layer."""
+        t, copy = point
+        op = self.schedule.order[t]
+        layer = self.clustering.instance.get(op, "")
+        tied = next((c for c in self.clustering.classes if layer in c), ())
+        out = []
+        for where in tied:
+            other = self._twin.get((self.clustering.rep[op], where))
+            twin = self._twin.get((self.clustering.rep[copy.node], where)) if copy is not None else None
+            if where == layer or other not in self.schedule.step or (copy is not None and twin is None):
+                continue
+            out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin)))
+        return out
+
+    def _rerun_layer(self, copy: memory.Recomputed | None, option: str) -> str | None:
+        """The layer whose ``option`` runs ``copy`` again, if any."""
+        if copy is None:
+            return None
+        layer = recompute.layer_of(copy.node)
+        return layer if copy.node in self.tagged.get((layer, option), ()) else None
+
+    def rows(
+        self,
+        problem: PlacementProblem,
+        peak_budget: float | None,
+        outputs: dict[int, Placements],
+        steps: dict[Point, float],
+        options: list[RecomputeVar],
+    ) -> list[BudgetRow]:
+        """The estimated peak at each bounded step, linear in the placements and recompute choices."""
+        if peak_budget is None:
+            return []
+        index = {o.name: i for i, o in enumerate(options)}
+        rows = []
+        for (step, copy), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]))):
+            alive = [memory.node_of(k) for k in memory.live_storages(self.schedule, step)]
+            terms = []
+            for option in recompute.OPTIONS:
+                if not any(option_name(layer, option) in index for layer in self.layers):
+                    continue
+                changes = dict(self._changes_at(step, option, copy))
+                rerun = self._rerun_layer(copy, option)  # its keeps include the copy's input moves
+                if rerun is not None:
+                    changes.setdefault(rerun, ([], []))
+                for layer, (f, k) in changes.items():
+                    if (i := index.get(option_name(layer, option))) is not None:
+                        keeps = self.storage_bytes(problem, k)
+                        if layer == rerun:
+                            keeps.add(input_moves(problem, [copy.node], self.move_bytes))
+                        terms.append((i, self.storage_bytes(problem, f), keeps))
+            coeffs = tuple(self.storage_bytes(problem, alive).units.items())
+            ops, views = memory.moves_at(self.schedule, step)
+            moves = input_moves(problem, ops, self.move_bytes)
+            moves.add(input_moves(problem, views, memory.moved_copy_bytes(self.mesh_shape)))
+            if step == self.schedule.forward_end and copy is None:  # where the lowering moves the outputs
+                moves.add(output_moves(self.tg, problem, outputs, self.move_bytes))
+            group = peak_group(peak_budget)
+            name = copy.name if copy is not None else self.schedule.order[step].name
+            limit = peak_budget - missed
+            row = BudgetRow(f"{group} (at {name})", coeffs, limit, tuple(terms), peak_budget, moves)
+            rows.append(row)
+        return rows
+
+    def param_row(self, problem: PlacementProblem, budget: float) -> BudgetRow:
+        coeffs: dict[fx.Node, np.ndarray] = {}
+        for n in self.tg.placeholder_for("param").values():
+            rep = problem.clustering.rep[n]
+            if rep is not n:
+                continue
+            unit, m = problem.root[rep]
+            meta = tensor_meta(n.meta["val"])
+            per = [local_bytes(meta, problem.strategies[rep][i].output, self.mesh_shape) for i in m]
+            coeffs[unit] = coeffs.get(unit, 0) + np.array(per, dtype=float) * problem.clustering.multiplicity[rep]
+        group = f"memory constraint: parameter bytes per device <= {budget:.6g}"
+        return BudgetRow(group, tuple(coeffs.items()), budget)
+
+
+def _name(copy: memory.Recomputed | None) -> str:
+    return "" if copy is None else copy.name
