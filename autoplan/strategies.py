@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from autoplan import attention
 from autoplan.adapters import dtensor as dt
+from autoplan.constraints import placement_error
 from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
 from autoplan.tracing import PATH_KEY
@@ -82,23 +83,13 @@ def aliases_input(node: fx.Node) -> bool:
 
 
 def is_valid(placements: Placements | None, val, mesh_shape: Sequence[int]) -> bool:
-    """Reject shards the mesh cannot split evenly, partial integer tensors and exotic placement types."""
+    """Reject shards the mesh cannot split evenly, partial integer tensors and exotic placement
+    types: the rules ``constraints.placement_error`` words for users."""
     if placements is None:
         return True
     if not isinstance(val, torch.Tensor):
         return all(isinstance(p, Replicate) for p in placements)
-    factor: dict[int, int] = {}
-    for size, p in zip(mesh_shape, placements):
-        if type(p) not in (Replicate, Shard, Partial):  # e.g. DTensor's strided shards: never planned
-            return False
-        if isinstance(p, Shard):
-            d = p.dim + val.ndim if p.dim < 0 else p.dim
-            if not 0 <= d < val.ndim:
-                return False
-            factor[d] = factor.get(d, 1) * size
-        elif isinstance(p, Partial) and not (val.dtype.is_floating_point or val.dtype.is_complex):
-            return False
-    return all(val.shape[d] % f == 0 for d, f in factor.items())
+    return placement_error(placements, val, mesh_shape, whole=False) is None
 
 
 def all_placements(val, mesh_shape: Sequence[int], partial: bool = False) -> list[Placements]:
