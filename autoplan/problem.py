@@ -238,11 +238,11 @@ def output_moves(
 ) -> Linear:
     """``price`` of moving each model output to where it must end up (its constrained placement,
     else its tangent's), as a function of the choice."""
-    out = Linear()
+    out, matrix = Linear(), pairwise(price)
     edges, sinks = output_sinks(tg, problem.clustering, fixed_outputs)
     for ur, k, cr, slot in edges:
         if ur in problem.root and cr in problem.root:
-            _add_edge(out, problem, _edge(problem.strategies, problem.root, pairwise(price), ur, k, cr, slot))
+            _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, ur, k, cr, slot))
     for ur, k, placements in sinks:
         if ur in problem.root:
             meta = tensor_meta(output_vals(ur)[k])
