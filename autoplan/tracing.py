@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import traceback
@@ -27,14 +28,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoplan import attention as attn
+from autoplan import stamping
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 from autoplan.adapters.fx import lazy_graph_modules
 from autoplan.errors import AutoplanError, ConstraintError, TracingError
 from autoplan.progress import ticker
+from autoplan.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
 
 aten = torch.ops.aten
-PATH_KEY = "autoplan_module_path"
 PHASE_KEY = "autoplan_phase"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class TracedGraph:
     joint: Any = field(repr=False)  # opaque functorch object, for later compilation
     fake_mode: FakeTensorMode = field(repr=False)
     tied: dict[str, str] = field(default_factory=dict)  # FQN of a shared parameter/buffer -> its traced FQN
+    stamped: int = 0  # layers of a repeated stack copied from a traced one rather than traced (``stamping``)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -286,18 +290,28 @@ def _differentiable(t) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
 
 
-def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode):
+def _probe(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode, watch=None) -> tuple[list, Any]:
+    """The model's flat outputs, from one forward on fake tensors, and what ``watch`` saw: a context
+    to run it in, given the parameters and buffers by FQN and the flat inputs."""
+    state = {**dict(wrapper.named_parameters()), **dict(wrapper.named_buffers())}
+    with fake_mode, (watch or _unwatched)(state, tree_flatten(args)[0]) as seen:
+        return tree_flatten(torch.func.functional_call(wrapper, state, args))[0], seen
+
+
+def _unwatched(state: dict, flat_args: list) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode, flat_out: list):
     """Joint graph by tracing autograd itself with ``make_fx``: one pass, no functionalization.
 
     Placeholders are ``primals_*`` (params, buffers, inputs) then ``tangents_*``; outputs are the
     model outputs, then gradients of params, then of differentiable inputs (``None`` where unused).
+    ``flat_out`` are the model's outputs (from ``_probe``), whose shapes the tangents take.
     """
     named_params = list(wrapper.named_parameters())
     named_buffers = list(wrapper.named_buffers())
     flat_args, args_spec = tree_flatten(args)
-    with fake_mode:
-        probe = torch.func.functional_call(wrapper, {**dict(named_params), **dict(named_buffers)}, args)
-    flat_out, _ = tree_flatten(probe)
     diff_out = [i for i, o in enumerate(flat_out) if _differentiable(o)]
     with fake_mode:
         tangents = [torch.empty_like(flat_out[i]) for i in diff_out]
@@ -321,11 +335,18 @@ def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode):
     primals += [b for _, b in named_buffers] + flat_args
     with fake_mode, lazy_graph_modules():
         gm = make_fx(joint, tracing_mode="real")(primals, tangents)
-    in_labels = [("param", n) for n, _ in named_params] + [("buffer", n) for n, _ in named_buffers]
-    in_labels += [("input", i) for i in range(len(flat_args))] + [("tangent", i) for i in diff_out]
-    out_labels = [("output", i) for i in range(len(flat_out))] + [("grad_param", n) for n, _ in named_params]
-    out_labels += [("grad_input", i) for i in diff_in]
-    return gm, in_labels, out_labels
+    return (gm, *_labels(wrapper, flat_args, flat_out))
+
+
+def _labels(wrapper: _LossWrapper, flat_args: list, flat_out: list) -> tuple[list, list]:
+    """The fast path's placeholder and output labels, in graph order."""
+    params = [n for n, _ in wrapper.named_parameters()]
+    in_labels = [("param", n) for n in params] + [("buffer", n) for n, _ in wrapper.named_buffers()]
+    in_labels += [("input", i) for i in range(len(flat_args))]
+    in_labels += [("tangent", i) for i, o in enumerate(flat_out) if _differentiable(o)]
+    out_labels = [("output", i) for i in range(len(flat_out))] + [("grad_param", n) for n in params]
+    out_labels += [("grad_input", i) for i, a in enumerate(flat_args) if _differentiable(a)]
+    return in_labels, out_labels
 
 
 def _tag_backward_seq_nr(outputs: list[torch.Tensor]) -> None:
@@ -411,8 +432,16 @@ def _inherit_backward_paths(gm: fx.GraphModule) -> None:
         if n.meta.get(PATH_KEY) and "seq_nr" in n.meta:
             by_seq.setdefault(n.meta["seq_nr"], n.meta[PATH_KEY])
     for n in gm.graph.nodes:
-        if not n.meta.get(PATH_KEY) and "seq_nr" in n.meta:
+        if not n.meta.get(PATH_KEY) and "seq_nr" in n.meta and n.op != "placeholder":
             n.meta[PATH_KEY] = by_seq.get(n.meta["seq_nr"], "")
+
+
+def _label_paths(gm: fx.GraphModule) -> None:
+    """Each op's module path. Placeholders have none: the tracer made them under whatever module
+    stack an earlier trace left in its current meta."""
+    for node in gm.graph.nodes:
+        node.meta[PATH_KEY] = "" if node.op == "placeholder" else _deepest_path(node)
+    _inherit_backward_paths(gm)
 
 
 def forward_nodes(graph: fx.Graph, n_outputs: int) -> set[fx.Node]:
@@ -517,6 +546,37 @@ def _named_failures():
         fake_log.removeFilter(_not_meta_failure)
 
 
+def _trace_repeats(
+    wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode, stack: stamping.Stack, full, flat_out: list
+) -> tuple | None:
+    """The joint graph of ``wrapper`` traced with two layers of ``stack`` and stamped to all of them,
+    or ``None`` where that is not proven to give what tracing every layer gives. ``full`` is the
+    recording of the whole model's forward, ``flat_out`` its outputs."""
+    with stamping.truncated(stack, 2):
+        short = _probe(wrapper, args, fake_mode, functools.partial(stamping.recording, stack))[1]
+    if not stamping.proven_repeats(full, short, len(stack.layers), 2, _PREFIX + stack.path):
+        log.debug("layers of %s are not proven identical: tracing all of them", stack.path)
+        return None
+    traced = {}
+    for k in (2, 3):
+        with stamping.truncated(stack, k):
+            traced[k] = _trace_fast(wrapper, args, fake_mode, flat_out)
+        _label_paths(traced[k][0])
+        if _mutating_ops(traced[k][0]):
+            return None
+    gm2, _, out_labels = traced[2]
+    backward = set(gm2.graph.nodes) - forward_nodes(gm2.graph, sum(1 for lab in out_labels if lab[0] == "output"))
+    try:
+        if stamping.same_graph(stamping.stamp(traced[2], 3, stack.path, _PREFIX, backward), traced[3]):
+            stamped = stamping.stamp(traced[2], len(stack.layers), stack.path, _PREFIX, backward)
+            if list(stamped[1:]) == list(_labels(wrapper, tree_flatten(args)[0], flat_out)):
+                return stamped
+        log.debug("stamping %s to three layers does not give the traced graph: tracing all layers", stack.path)
+    except stamping.StampError as e:
+        log.debug("cannot stamp %s (%s): tracing all layers", stack.path, e)
+    return None
+
+
 def _enter_tracing(stack: contextlib.ExitStack, wrapper: nn.Module, attention: str, desc: str) -> None:
     """What every trace of ``wrapper`` runs under: progress, module paths, the attention kernels and
     named errors (entered last, so a failure still sees the module it happened in)."""
@@ -533,6 +593,7 @@ def trace_joint(
     loss_fn: Callable | None = None,
     device: torch.device | str = "cpu",
     attention: str = "auto",
+    repeats: bool = True,
 ) -> TracedGraph:
     """Trace ``loss_fn(model(*input_fn()))`` (or the model's outputs) forward and backward on fake tensors.
 
@@ -540,7 +601,8 @@ def trace_joint(
     through functorch's functionalizing joint export instead. ``attention`` picks the kernel
     ``F.scaled_dot_product_attention`` traces to (see ``autoplan.attention.choose_backend``):
     ``"auto"`` what a CUDA GPU runs, ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``
-    (decomposed), or ``"cpu"`` (the host's own choice, on a CPU mesh).
+    (decomposed), or ``"cpu"`` (the host's own choice, on a CPU mesh). With ``repeats``, a deep
+    stack of layers proven identical is traced as two layers and copied (``autoplan.stamping``).
     """
     attn.check_option(attention)
     device = torch.device(device)
@@ -550,19 +612,25 @@ def trace_joint(
     wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn)
     args = make_fake_inputs(input_fn, fake_mode, device)
     joint, shared = None, _shared_names(wrapper)
-    with contextlib.ExitStack() as stack:
-        _enter_tracing(stack, wrapper, attention, "tracing")
-        gm, in_labels, out_labels = _trace_fast(wrapper, args, fake_mode)
+    stack = stamping.find_stack(wrapper, _PREFIX) if repeats else None
+    with contextlib.ExitStack() as es:
+        _enter_tracing(es, wrapper, attention, "tracing")
+        watch = functools.partial(stamping.recording, stack) if stack else None
+        flat_out, full = _probe(wrapper, args, fake_mode, watch)
+        traced = _trace_repeats(wrapper, args, fake_mode, stack, full, flat_out) if stack else None
+        stamped = len(stack.layers) - 2 if traced else 0
+        if traced is None:
+            traced = _trace_fast(wrapper, args, fake_mode, flat_out)
+            _label_paths(traced[0])
+    gm, in_labels, out_labels = traced
     if _mutating_ops(gm):
-        with contextlib.ExitStack() as stack:
-            _enter_tracing(stack, wrapper, attention, "tracing (functionalized)")
-            gm, in_labels, out_labels, joint = export_joint(stack, wrapper, args)
+        with contextlib.ExitStack() as es:
+            _enter_tracing(es, wrapper, attention, "tracing (functionalized)")
+            gm, in_labels, out_labels, joint = export_joint(es, wrapper, args)
         out_labels = _drop_empty_outputs(gm, out_labels)
         with fake_mode:
             _merge_tied(gm, in_labels, out_labels, shared)
-    for node in gm.graph.nodes:
-        node.meta[PATH_KEY] = _deepest_path(node)
-    _inherit_backward_paths(gm)
+        _label_paths(gm)
     _mark_phases(gm, sum(1 for lab in out_labels if lab[0] == "output"))
     return TracedGraph(
         gm=gm,
@@ -571,4 +639,5 @@ def trace_joint(
         joint=joint,
         fake_mode=fake_mode,
         tied={_strip(("", a))[1]: _strip(("", b))[1] for a, b in shared.items()},
+        stamped=stamped,
     )

@@ -36,9 +36,9 @@ def make(name: str, batch_rows: int = 4):
 
     from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 
-    if name in ("llama", "llama4"):
+    if name in ("llama", "llama4", "llama8"):  # llama8: deep enough that tracing stamps its layers
         cfg = LLAMA3_CONFIGS["debug"]
-        cfg = dataclasses.replace(cfg, n_layers=4) if name == "llama4" else cfg
+        cfg = dataclasses.replace(cfg, n_layers=int(name[5:])) if name != "llama" else cfg
         return (lambda: Transformer(cfg)), (lambda g: torch.randint(0, cfg.vocab_size, (batch_rows, 16), generator=g))
     if name == "tied":
         return TiedLM, (lambda g: torch.randint(0, 64, (batch_rows, 8), generator=g))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
+import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 
 def lazy_graph_modules() -> contextlib.AbstractContextManager:
@@ -12,3 +13,9 @@ def lazy_graph_modules() -> contextlib.AbstractContextManager:
     ``recompile``: planning never runs the joint graph, and generating the code of 80 layers'
     25,000 nodes takes about a second each time."""
     return _use_lazy_graph_module(True)
+
+
+def graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A graph module over ``graph`` (taking ``root``'s attributes), lazy as inside ``lazy_graph_modules``."""
+    with lazy_graph_modules():
+        return _make_graph_module(root, graph)

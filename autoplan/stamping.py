@@ -1,0 +1,461 @@
+"""Trace a deep stack of identical layers as a short one, then stamp the other layers' copies.
+
+Tracing costs about half a millisecond per ATen op: LLaMA-3 70B's 80 layers take ~12 s, most of a
+plan. Layers of one stack that run the same ATen program on their own parameters leave the same
+fragment in the joint graph, so the stack is traced with two layers and that fragment is copied.
+
+Only where it is proven, else every layer is traced:
+- a recording of the full model's forward shows every layer of the stack running the same ops,
+  wired the same way, with the same autograd nodes, and its inputs chained from the previous
+  layer's outputs (or shared, and needing no gradient); the code around the stack does the same
+  as with the short stack;
+- stamping the two-layer graph to three layers reproduces the traced three-layer graph node for node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoplan.adapters.fx import graph_module
+
+MIN_LAYERS = 8  # below this, tracing two and three layers to prove the stamp costs about as much as all
+PATH_KEY = "autoplan_module_path"
+
+Traced = tuple[fx.GraphModule, list, list]  # graph, input labels, output labels (as ``tracing`` makes them)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A run of same-type layers held by one container at ``path`` (its FQN in the model)."""
+
+    parent: nn.Module
+    attr: str
+    path: str
+    layers: tuple[nn.Module, ...]
+
+
+def find_stack(root: nn.Module, prefix: str) -> Stack | None:
+    """The longest ``ModuleList``/``Sequential`` under ``prefix`` of at least ``MIN_LAYERS`` same-type layers."""
+    best = None
+    for name, mod in root.named_modules():
+        if not name.startswith(prefix) or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = tuple(mod.children())
+        if (
+            len(kids) < MIN_LAYERS
+            or len({type(k) for k in kids}) != 1
+            or list(mod._modules) != [str(i) for i in range(len(kids))]
+        ):
+            continue
+        if best is None or len(kids) > len(best[1]):
+            best = (name, kids)
+    if best is None:
+        return None
+    parent_name, _, attr = best[0].rpartition(".")
+    return Stack(root.get_submodule(parent_name), attr, best[0][len(prefix) :], best[1])
+
+
+@contextlib.contextmanager
+def truncated(stack: Stack, n: int) -> Iterator[None]:
+    """The stack holds its first ``n`` layers only, while inside."""
+    full = getattr(stack.parent, stack.attr)
+    short = nn.Sequential if isinstance(full, nn.Sequential) else nn.ModuleList
+    setattr(stack.parent, stack.attr, short(stack.layers[:n]) if short is nn.ModuleList else short(*stack.layers[:n]))
+    try:
+        yield
+    finally:
+        setattr(stack.parent, stack.attr, full)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward recording
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+
+
+@dataclass
+class Recording:
+    """The forward's ATen ops split into segments: before the stack, one per layer call, between
+    calls, after the stack. Each tensor is named by the op that made it (segment, op, output), a
+    parameter's FQN, or a model input's position; the tensors are kept so their ids stay unique."""
+
+    ref: dict[int, tuple]
+    keep: list
+    segments: list[list] = field(default_factory=lambda: [[]])
+    layer_inputs: list[list] = field(default_factory=list)  # flat inputs of each layer call
+    layer_outputs: list[list] = field(default_factory=list)  # flat outputs of each layer call
+    layer_autograd: list[tuple] = field(default_factory=list)  # grad_fn names of each layer call
+    ordered: bool = True  # layers called in order, once each, with nothing between their calls
+
+    def refer(self, a) -> object:
+        if isinstance(a, torch.Tensor):
+            return (self.ref.get(id(a), ("ext", id(a))), _meta(a))
+        return repr(a)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, rec: Recording):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":  # metadata queries (a tensor's device), asked only while uncached
+            return out
+        rec = self.rec
+        flat, spec = tree_flatten((args, kwargs))
+        seg = rec.segments[-1]
+        here = (len(rec.segments) - 1, len(seg))
+        seg.append((str(func), str(spec), tuple(rec.refer(a) for a in flat)))
+        for i, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor):
+                rec.ref[id(t)] = ("op", *here, i)
+                rec.keep.append(t)
+        return out
+
+
+def _autograd_names(outputs: list, inputs: list) -> tuple:
+    """The autograd nodes a layer call built, walked from its outputs back to its inputs."""
+    stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    seen, names = set(), []
+    todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn in seen or fn in stop:
+            continue
+        seen.add(fn)
+        names.append(fn.name())
+        todo.extend(f for f, _ in fn.next_functions if f is not None)
+    return tuple(names)
+
+
+@contextlib.contextmanager
+def recording(stack: Stack, names: dict[str, torch.Tensor], inputs: list) -> Iterator[Recording]:
+    """Record the forward's ops while inside (enter after the fake mode, so the recorder sees ops
+    first). ``names`` are the parameters and buffers by FQN, ``inputs`` the flat model inputs."""
+    ref = {id(t): ("param", n) for n, t in names.items()}
+    ref.update({id(t): ("input", i) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)})
+    rec = Recording(ref, [*names.values(), *inputs])
+    calls = iter(range(len(stack.layers)))
+
+    def pre(i):
+        def hook(mod, args, kwargs):
+            rec.ordered &= next(calls, None) == i and (i == 0 or not rec.segments[-1])
+            flat = tree_flatten((args, kwargs))[0]
+            rec.layer_inputs.append(flat)
+            rec.keep.append(flat)
+            rec.segments.append([])
+
+        return hook
+
+    def post(i):
+        def hook(mod, args, kwargs, out):
+            flat = tree_flatten(out)[0]
+            rec.layer_outputs.append(flat)
+            rec.layer_autograd.append(_autograd_names(flat, rec.layer_inputs[-1]))
+            rec.keep.append(flat)
+            rec.segments.append([])
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(stack.layers):
+        handles.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post(i), with_kwargs=True))
+    try:
+        with _Recorder(rec):
+            yield rec
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layer_sig(rec: Recording, i: int, stack_path: str) -> tuple:
+    """Layer call ``i`` with its own ops, inputs and parameters named relative to the layer."""
+    seg = 1 + 2 * i
+    own_param = f"{stack_path}.{i}."
+    ins = {}
+    for p, t in enumerate(rec.layer_inputs[i]):
+        if isinstance(t, torch.Tensor):
+            ins.setdefault(rec.refer(t)[0], ("in", p))
+
+    def rel(r):
+        if not isinstance(r, tuple):
+            return r
+        ref, meta = r
+        if ref in ins:
+            return (ins[ref], meta)
+        if ref[0] == "op" and ref[1] == seg:
+            return (("own", *ref[2:]), meta)
+        if ref[0] == "param" and ref[1].startswith(own_param):
+            return (("param", ref[1][len(own_param) :]), meta)
+        return r
+
+    ops = tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in rec.segments[seg])
+    io = tuple(rel(rec.refer(t)) for t in rec.layer_outputs[i])
+    in_meta = tuple(_meta(t) if isinstance(t, torch.Tensor) else repr(t) for t in rec.layer_inputs[i])
+    return ops, io, in_meta, rec.layer_autograd[i]
+
+
+def _outer_sig(rec: Recording, n_layers: int) -> tuple:
+    """The ops before and after the stack; references to the last layer's ops name it ``last``."""
+    last = 1 + 2 * (n_layers - 1)
+
+    def rel(r):
+        if isinstance(r, tuple) and r[0][0] == "op" and r[0][1] == last:
+            return (("last", *r[0][2:]), r[1])
+        if isinstance(r, tuple) and r[0][0] == "op" and r[0][1] == 2 * n_layers:
+            return (("after", *r[0][2:]), r[1])
+        return r
+
+    after = tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in rec.segments[2 * n_layers])
+    between = [rec.segments[2 + 2 * i] for i in range(n_layers - 1)]
+    return tuple(rec.segments[0]), after, all(not s for s in between)
+
+
+def _chained(rec: Recording) -> bool:
+    """Each layer's tensor inputs are the previous layer's outputs, or the same tensors as its
+    inputs (needing no gradient: their gradients would sum over layers, which a copy cannot show)."""
+    pattern = None
+    for i in range(1, len(rec.layer_inputs)):
+        prev_out = {id(t): q for q, t in enumerate(rec.layer_outputs[i - 1]) if isinstance(t, torch.Tensor)}
+        here = []
+        for p, t in enumerate(rec.layer_inputs[i]):
+            if not isinstance(t, torch.Tensor):
+                here.append(("value", repr(t)))
+            elif id(t) in prev_out:
+                here.append(("chain", prev_out[id(t)]))
+            elif p < len(rec.layer_inputs[i - 1]) and rec.layer_inputs[i - 1][p] is t and not t.requires_grad:
+                here.append(("shared",))
+            else:
+                return False
+        if pattern is not None and here != pattern:
+            return False
+        pattern = here
+    return True
+
+
+def proven_repeats(full: Recording, short: Recording, n_layers: int, n_short: int, stack_path: str) -> bool:
+    """The full forward is the short one with more copies of one layer in its stack."""
+    if not (full.ordered and short.ordered) or len(full.layer_inputs) != n_layers or len(short.layer_inputs) != n_short:
+        return False
+    first = _layer_sig(full, 0, stack_path)
+    same = all(_layer_sig(full, i, stack_path) == first for i in range(1, n_layers))
+    same = same and all(_layer_sig(short, i, stack_path) == first for i in range(n_short))
+    full_outer, short_outer = _outer_sig(full, n_layers), _outer_sig(short, n_short)
+    return same and full_outer == short_outer and full_outer[2] and _chained(full)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stamping the traced graph
+
+
+def _layer_index(stack_path: str) -> Callable[[str], int | None]:
+    head = stack_path + "."
+
+    def index(path: str) -> int | None:
+        if not path.startswith(head):
+            return None
+        part = path[len(head) :].split(".", 1)[0]
+        return int(part) if part.isdigit() else None
+
+    return index
+
+
+def _layers(gm: fx.GraphModule, in_labels: list, stack_path: str, prefix: str) -> dict[fx.Node, int | None]:
+    """Node -> the stack layer it belongs to: parameters by their FQN, ops by their module path."""
+    index = _layer_index(stack_path)
+    label_of = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), in_labels))
+    layer: dict[fx.Node, int | None] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            target = label_of[n][1]
+            layer[n] = index(target[len(prefix) :]) if isinstance(target, str) and target.startswith(prefix) else None
+        elif n.op == "output":
+            layer[n] = None
+        else:
+            layer[n] = index(n.meta.get(PATH_KEY, ""))
+    return layer
+
+
+def _runs(nodes: list[fx.Node], member: set[fx.Node]) -> list[list[fx.Node]]:
+    """Maximal runs of consecutive ``nodes`` in ``member``."""
+    runs, current = [], []
+    for n in nodes:
+        if n in member:
+            current.append(n)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+class StampError(Exception):
+    """The two-layer graph does not have the shape stamping needs; every layer is traced instead."""
+
+
+def _relabel(label: tuple, old: str, new: str) -> tuple:
+    kind, target = label
+    return (kind, new + target[len(old) :]) if isinstance(target, str) and target.startswith(old) else label
+
+
+def stamp(traced: Traced, n_layers: int, stack_path: str, prefix: str, backward: set[fx.Node]) -> Traced:
+    """The two-layer joint graph ``traced`` with its second layer copied to layers 1..n_layers-1.
+
+    Layer copy ``m`` reads what layer 1 read, moved along the stack: layer 0's values become layer
+    ``m-1``'s, the gradient arriving from after the stack becomes layer ``m+1``'s (it reaches layer
+    1 from there, as layer 0's comes from layer 1). Code after the stack reads the last copy; layer
+    0 reads copy 1. ``backward`` holds the backward nodes: their runs are stamped last layer first.
+    """
+    gm, in_labels, out_labels = traced
+    nodes = list(gm.graph.nodes)
+    layer = _layers(gm, in_labels, stack_path, prefix)
+    t0 = [n for n in nodes if layer[n] == 0]
+    t1 = [n for n in nodes if layer[n] == 1]
+    if len(t0) != len(t1) or any((a.op, a.target) != (b.op, b.target) for a, b in zip(t0, t1) if a.op != "placeholder"):
+        raise StampError("the two traced layers differ")
+    iso01, iso10 = dict(zip(t0, t1)), dict(zip(t1, t0))
+    member0, member1 = set(t0), set(t1)
+    old = f"{prefix}{stack_path}.1."
+
+    def fqn(m: int) -> str:
+        return f"{prefix}{stack_path}.{m}."
+
+    label_of = dict(zip((n for n in nodes if n.op == "placeholder"), in_labels))
+    first_of_run = {run[0]: run for run in _runs(nodes, member1)}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n_layers)]
+    new_in_labels: list = []
+    count = {"primals": 0, "tangents": 0}
+
+    def outer_arg(reader: fx.Node) -> Callable[[fx.Node], fx.Node]:
+        last = 1 if reader in member0 else n_layers - 1
+        return lambda a: copies[last][a] if a in member1 else env[a]
+
+    def links(t: fx.Node) -> dict[fx.Node, fx.Node | None]:
+        """What layer 0 reads where layer 1's ``t`` reads from outside both: layer 1's node (a link
+        along the stack) or the same node (``None``: shared)."""
+        mine = tree_flatten((t.args, t.kwargs))[0]
+        theirs = tree_flatten((iso10[t].args, iso10[t].kwargs))[0]
+        found: dict[fx.Node, fx.Node | None] = {}
+        for a, b in zip(mine, theirs):
+            if isinstance(a, fx.Node) and a not in member0 and a not in member1:
+                if b is not a and b not in member1:
+                    raise StampError(f"{t.name} reads {a.name} where layer 0 reads {b}")
+                role = None if b is a else b
+                if found.setdefault(a, role) is not role:
+                    raise StampError(f"{t.name} reads {a.name} in two roles")
+        return found
+
+    roles = {t: links(t) for t in t1 if t.op != "placeholder"}
+
+    def copy_arg(t: fx.Node, m: int) -> Callable[[fx.Node], fx.Node]:
+        ext = roles[t]
+
+        def arg(a: fx.Node) -> fx.Node:
+            if a in member1:
+                return copies[m][a]
+            if a in member0:
+                return env[a] if m == 1 else copies[m - 1][iso01[a]]
+            link = ext[a]
+            return env[a] if link is None or m == n_layers - 1 else copies[m + 1][link]
+
+        return arg
+
+    def placeholder(like: fx.Node, label: tuple) -> fx.Node:
+        """Named ``primals_k`` or ``tangents_k``, numbered from 1 as tracing names them."""
+        kind = "tangents" if label[0] == "tangent" else "primals"
+        count[kind] += 1
+        new = graph.placeholder(f"{kind}_{count[kind]}")
+        new.meta = dict(like.meta)
+        new_in_labels.append(label)
+        return new
+
+    def emit_copy(t: fx.Node, m: int) -> None:
+        if t.op == "placeholder":
+            new = placeholder(t, _relabel(label_of[t], old, fqn(m)))
+        else:
+            new = graph.node_copy(t, copy_arg(t, m))
+            new.meta = {k: v for k, v in t.meta.items() if k not in ("nn_module_stack", "fwd_nn_module_stack")}
+            new.meta[PATH_KEY] = t.meta.get(PATH_KEY, "").replace(f"{stack_path}.1", f"{stack_path}.{m}", 1)
+        copies[m][t] = new
+
+    def outputs(out: fx.Node) -> tuple[list, list]:
+        """Layer 1's parameter gradients become every copy's, in parameter order (layer by layer)."""
+        labels, values = [], []
+        block = [lab for lab in out_labels if lab[0] == "grad_param" and lab[1].startswith(old)]
+        grads = dict(zip(out_labels, out.args[0]))
+        for lab in out_labels:
+            if lab in block:
+                if lab is not block[0]:
+                    continue
+                for m in range(1, n_layers):
+                    for b in block:
+                        g = grads[b]
+                        if g is not None and g not in member1:
+                            raise StampError(f"the gradient {g.name} of {b[1]} is not made inside its layer")
+                        labels.append(_relabel(b, old, fqn(m)))
+                        values.append(None if g is None else copies[m][g])
+            else:
+                labels.append(lab)
+                values.append(None if grads[lab] is None else outer_arg(out)(grads[lab]))
+        return labels, values
+
+    new_out_labels: list = []
+    for n in nodes:
+        if n in first_of_run:
+            run = first_of_run[n]
+            descending = all(t.op != "placeholder" and t in backward for t in run)
+            for m in range(n_layers - 1, 0, -1) if descending else range(1, n_layers):
+                for t in run:
+                    emit_copy(t, m)
+        if n in member1:
+            continue
+        if n.op == "placeholder":
+            env[n] = placeholder(n, label_of[n])
+        elif n.op == "output":
+            new_out_labels, values = outputs(n)
+            graph.output(values).meta = dict(n.meta)
+        else:
+            env[n] = graph.node_copy(n, outer_arg(n))
+    return graph_module(gm, graph), new_in_labels, new_out_labels
+
+
+def same_graph(a: Traced, b: Traced) -> bool:
+    """Node for node the same graph (names aside): ops, targets, wiring, values' metadata, labels.
+    Module paths are not compared: a backward op's is inferred, and the inference can differ."""
+    (ga, ia, oa), (gb, ib, ob) = a, b
+    na, nb = list(ga.graph.nodes), list(gb.graph.nodes)
+    if ia != ib or oa != ob or len(na) != len(nb):
+        return False
+    pos = {n: i for i, n in enumerate(na)} | {n: i for i, n in enumerate(nb)}
+
+    def sig(n: fx.Node) -> tuple:
+        flat, spec = tree_flatten((n.args, n.kwargs))
+        val = n.meta.get("val")
+        vals = tuple(_value_meta(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
+        args = tuple(("node", pos[x]) if isinstance(x, fx.Node) else repr(x) for x in flat)
+        target = n.target if n.op != "placeholder" else None
+        return n.op, target, str(spec), args, vals
+
+    return all(sig(x) == sig(y) for x, y in zip(na, nb))
+
+
+def _value_meta(v) -> object:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+    return repr(v)

@@ -1,0 +1,106 @@
+"""A deep stack of identical layers is traced as two and stamped: the graph is the one tracing every
+layer gives, node for node, and a plan of it runs with single-device numerics. Layers that differ,
+a gradient shared across layers, or code that depends on the depth are traced layer by layer."""
+
+import pytest
+import torch
+from conftest import fake_mesh
+from parallel_run import FSDP, check_run, graph_report, parallel_run, plan_and_apply, reference_run
+from torch import nn
+from torch.distributed._local_tensor import LocalTensorMode
+
+from autoplan import stamping
+from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.tracing import PATH_KEY, trace_joint
+
+
+def _both(model: nn.Module, input_fn, **kw):
+    stamped = trace_joint(model, input_fn, **kw)
+    full = trace_joint(model, input_fn, repeats=False, **kw)
+    return stamped, full
+
+
+def _same(a, b) -> bool:
+    return stamping.same_graph((a.gm, a.input_labels, a.output_labels), (b.gm, b.input_labels, b.output_labels))
+
+
+def test_llama_layers_stamped_are_the_traced_graph():
+    cfg = LLAMA3_CONFIGS["debug"]
+    model = Transformer(type(cfg)(**{**cfg.__dict__, "n_layers": 8}))
+    stamped, full = _both(model, lambda: (torch.randint(0, cfg.vocab_size, (2, 16)),), attention="math")
+    assert (stamped.stamped, full.stamped) == (6, 0)
+    assert _same(stamped, full)
+    per_layer = [
+        sum(1 for n in stamped.gm.graph.nodes if n.meta[PATH_KEY].startswith(f"layers.{i}.")) for i in range(8)
+    ]
+    assert len(set(per_layer)) == 1 and per_layer[0] > 50  # every copy carries its own layer's module path
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, idx: int = 0, odd_one: int = -1):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.idx, self.odd_one = idx, odd_one
+
+    def forward(self, x, r, bias=None):
+        h = torch.relu(self.lin(x)) + r
+        if self.idx == self.odd_one:
+            h = h * 2
+        if bias is not None:
+            h = h + bias
+        return h, h * 0.5  # two values chained into the next layer
+
+
+class Stack(nn.Module):
+    def __init__(self, n=8, dim=16, odd_one=-1, shared_bias=False, by_depth=False, raw_input=False):
+        super().__init__()
+        self.embed = None if raw_input else nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, i, odd_one) for i in range(n))
+        self.bias = nn.Parameter(torch.zeros(dim)) if shared_bias else None
+        self.by_depth = by_depth
+
+    def forward(self, x):
+        h = x if self.embed is None else self.embed(x)
+        r = h * 0.5
+        for b in self.blocks:
+            h, r = b(h, r, self.bias)
+        out = (h + r).sum()
+        return out / len(self.blocks) if self.by_depth else out
+
+
+@pytest.mark.parametrize(
+    "options, stamps",
+    [
+        ({}, True),
+        ({"odd_one": 5}, False),  # one layer runs another op
+        ({"shared_bias": True}, False),  # every layer adds to one parameter's gradient
+        ({"by_depth": True}, False),  # the code after the stack reads the depth
+        ({"raw_input": True}, False),  # layer 1 needs no gradient for one input, later layers do
+    ],
+    ids=["identical", "odd-layer", "shared-gradient", "depth-dependent", "grad-free-start"],
+)
+def test_stamping_only_where_proven(options, stamps):
+    stamped, full = _both(Stack(**options), lambda: (torch.randn(4, 16),))
+    assert stamped.stamped == (6 if stamps else 0)
+    assert _same(stamped, full)
+    if options.get("odd_one"):
+        muls = [n for n in stamped.gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor]
+        assert any(n.meta[PATH_KEY] == "blocks.5" for n in muls)
+
+
+def test_sequential_stack_is_stamped():
+    blocks = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(9)))
+    model = nn.Sequential(nn.Linear(8, 16), blocks)
+    stamped, full = _both(model, lambda: (torch.randn(4, 8),), loss_fn=lambda y: y.square().mean())
+    assert stamped.stamped == 7 and _same(stamped, full)
+
+
+def test_stamped_llama_plan_runs_with_single_device_numerics():
+    """Eight layers, six of them stamped, FSDP on 8 simulated ranks: the losses and gradients of
+    three AdamW steps are single-device's."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    ref = reference_run("llama8", batch_rows=8)
+    plan, lowered, pmod = plan_and_apply(mesh, "llama8", FSDP, batch_rows=8)
+    with LocalTensorMode(8):
+        r = parallel_run(mesh, pmod, ref, compiled=False, plain=lambda t: t)
+    check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
