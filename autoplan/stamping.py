@@ -15,17 +15,20 @@ Only where it is proven, else every layer is traced:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoplan.adapters.fx import graph_module
 
+SMALL_CONSTANT = 4096  # elements: constants up to this size are compared by value
 MIN_LAYERS = 8  # below this, tracing two and three layers to prove the stamp costs about as much as all
 PATH_KEY = "autoplan_module_path"
 
@@ -96,11 +99,26 @@ class Recording:
     layer_outputs: list[list] = field(default_factory=list)  # flat outputs of each layer call
     layer_autograd: list[tuple] = field(default_factory=list)  # grad_fn names of each layer call
     ordered: bool = True  # layers called in order, once each, with nothing between their calls
+    outside: dict[int, torch.Tensor] = field(default_factory=dict)  # tensors no recorded op made, by id
 
     def refer(self, a) -> object:
         if isinstance(a, torch.Tensor):
-            return (self.ref.get(id(a), ("ext", id(a))), _meta(a))
+            found = self.ref.get(id(a))
+            if found is None:
+                found = self.ref[id(a)] = ("ext", id(a))
+                self.outside[id(a)] = a
+            return (found, _meta(a))
         return repr(a)
+
+    def constants(self, r):
+        """``r`` with the small real tensors no op made (a module making ``torch.tensor(...)`` in
+        every call) named by value; read after recording, as reading them under fake mode fails."""
+        if isinstance(r, tuple) and r[0][0] == "ext":
+            t = self.outside[r[0][1]]
+            small = t is not None and not isinstance(t, FakeTensor) and t.device.type == "cpu"
+            if small and t.numel() <= SMALL_CONSTANT:
+                return (("const", t.dtype, tuple(t.shape), tuple(t.detach().flatten().tolist())), r[1])
+        return r
 
 
 class _Recorder(TorchDispatchMode):
@@ -193,7 +211,7 @@ def _layer_sig(rec: Recording, i: int, stack_path: str) -> tuple:
     def rel(r):
         if not isinstance(r, tuple):
             return r
-        ref, meta = r
+        ref, meta = r = rec.constants(r)
         if ref in ins:
             return (ins[ref], meta)
         if ref[0] == "op" and ref[1] == seg:
@@ -213,6 +231,7 @@ def _outer_sig(rec: Recording, n_layers: int) -> tuple:
     last = 1 + 2 * (n_layers - 1)
 
     def rel(r):
+        r = rec.constants(r)
         if isinstance(r, tuple) and r[0][0] == "op" and r[0][1] == last:
             return (("last", *r[0][2:]), r[1])
         if isinstance(r, tuple) and r[0][0] == "op" and r[0][1] == 2 * n_layers:
@@ -221,7 +240,8 @@ def _outer_sig(rec: Recording, n_layers: int) -> tuple:
 
     after = tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in rec.segments[2 * n_layers])
     between = [rec.segments[2 + 2 * i] for i in range(n_layers - 1)]
-    return tuple(rec.segments[0]), after, all(not s for s in between)
+    before = tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in rec.segments[0])
+    return before, after, all(not s for s in between)
 
 
 def _chained(rec: Recording) -> bool:
@@ -325,7 +345,8 @@ def stamp(traced: Traced, n_layers: int, stack_path: str, prefix: str, backward:
     layer = _layers(gm, in_labels, stack_path, prefix)
     t0 = [n for n in nodes if layer[n] == 0]
     t1 = [n for n in nodes if layer[n] == 1]
-    if len(t0) != len(t1) or any((a.op, a.target) != (b.op, b.target) for a, b in zip(t0, t1) if a.op != "placeholder"):
+    target = functools.partial(_target, gm)
+    if len(t0) != len(t1) or any(target(a) != target(b) for a, b in zip(t0, t1)):
         raise StampError("the two traced layers differ")
     iso01, iso10 = dict(zip(t0, t1)), dict(zip(t1, t0))
     member0, member1 = set(t0), set(t1)
@@ -440,19 +461,32 @@ def same_graph(a: Traced, b: Traced) -> bool:
     Module paths are not compared: a backward op's is inferred, and the inference can differ."""
     (ga, ia, oa), (gb, ib, ob) = a, b
     na, nb = list(ga.graph.nodes), list(gb.graph.nodes)
+    owner = {n: ga for n in na} | {n: gb for n in nb}
     if ia != ib or oa != ob or len(na) != len(nb):
         return False
     pos = {n: i for i, n in enumerate(na)} | {n: i for i, n in enumerate(nb)}
 
     def sig(n: fx.Node) -> tuple:
+        target = _target(owner[n], n)
         flat, spec = tree_flatten((n.args, n.kwargs))
         val = n.meta.get("val")
         vals = tuple(_value_meta(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
         args = tuple(("node", pos[x]) if isinstance(x, fx.Node) else repr(x) for x in flat)
-        target = n.target if n.op != "placeholder" else None
-        return n.op, target, str(spec), args, vals
+        return target, str(spec), args, vals
 
     return all(sig(x) == sig(y) for x, y in zip(na, nb))
+
+
+def _target(gm: fx.GraphModule, n: fx.Node) -> tuple:
+    """What a node runs: placeholders are told apart by their labels, constants by their values
+    (each layer's copy of a constant gets its own attribute name)."""
+    if n.op == "placeholder":
+        return (n.op,)
+    if n.op == "get_attr":
+        value = getattr(gm, n.target)
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() <= SMALL_CONSTANT:
+            return (n.op, value.dtype, tuple(value.shape), tuple(value.detach().flatten().tolist()))
+    return (n.op, n.target)
 
 
 def _value_meta(v) -> object:

@@ -104,3 +104,18 @@ def test_stamped_llama_plan_runs_with_single_device_numerics():
     with LocalTensorMode(8):
         r = parallel_run(mesh, pmod, ref, compiled=False, plain=lambda t: t)
     check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_hugging_face_layers_stamped_are_the_traced_graph(family):
+    """Hugging Face layers make a fresh tensor constant in every call (their KV cache's empty start):
+    compared by value, they still prove the layers identical."""
+    transformers = pytest.importorskip("transformers")
+    vocab = 256
+    sizes = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    config = transformers.AutoConfig.for_model(family, **sizes, num_hidden_layers=8, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    stamped, full = _both(model, lambda: (torch.randint(0, vocab, (2, 16)),))
+    assert (stamped.stamped, full.stamped) == (6, 0)
+    assert _same(stamped, full)
