@@ -207,8 +207,9 @@ class AutoParallel:
         self.timings = {"trace": ta - t0, "aliases": t1 - ta, "strategies": t2 - t1}
         self._planner_for = None  # a new trace: the planner is built again
         log.info(
-            "traced %d nodes (%d after clustering) and enumerated strategies in %.2fs",
+            "traced %d nodes (%d layers stamped, %d after clustering) and enumerated strategies in %.2fs",
             len(self.traced.gm.graph.nodes),
+            self.traced.stamped,
             len(self.strategies),
             t2 - t0,
         )

@@ -97,6 +97,7 @@ def run_plan(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "wall_s": wall,
         "phases_s": plan.timings | {"apply": applied["apply_s"]},
+        "layers_stamped": ap.traced.stamped,
         "ilp": plan.ilp,
         "objective_s": plan.cost.total,
         "cap_gib": getattr(args, "cap", None),
@@ -115,6 +116,7 @@ def run_plan(args: argparse.Namespace) -> dict:
     print(f"model -> plan: {wall:.2f} s wall   apply (passes + lowering): {applied['apply_s']:.2f} s")
     print(f"peak RSS {result['peak_rss_gib']:.2f} GiB")
     print("phases: " + "  ".join(f"{k} {v:.2f}s" for k, v in result["phases_s"].items()))
+    print(f"layers stamped rather than traced: {ap.traced.stamped}")
     print(
         f"ILP: {plan.ilp['n_vars']} variables ({plan.ilp['n_edge_vars']} edge), {plan.ilp['n_rows']} rows,"
         f" {plan.ilp['n_units']} units for {plan.ilp['n_nodes']} graph nodes"

@@ -115,10 +115,25 @@ def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[K
     return order, inputs
 
 
+def regathered(nodes: list[fx.Node], params: set[fx.Node]) -> frozenset[fx.Node]:
+    """Forward views of parameters (through views only). Where a plan reads a parameter in another
+    placement, such a view owns the gathered copy, and the lowering gathers it again for the
+    backward instead of keeping it (FSDP's reshard after forward, ``passes.fsdp_recompute``)."""
+    found: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "call_function" and n.meta.get(PHASE_KEY) == "forward" and aliases_input(n):
+            ins = n.all_input_nodes
+            if len(ins) == 1 and (ins[0] in params or ins[0] in found):
+                found.add(n)
+    return frozenset(found)
+
+
 def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> Schedule:
-    """The schedule of the joint graph; ``recomputed``: forward ops the backward runs again."""
+    """The schedule of the joint graph; ``recomputed``: forward ops the backward runs again (the
+    parameters' gathered views always are, see ``regathered``)."""
     nodes = [n for n in tg.gm.graph.nodes if n.op in ("placeholder", "call_function", "get_attr")]
-    order, inputs = _order(nodes, recomputed)
+    params = set(tg.placeholder_for("param").values())
+    order, inputs = _order(nodes, recomputed | regathered(nodes, params))
     step = {k: i for i, k in enumerate(order)}
     last = len(order) - 1
     forward_end = max((step[n] for n in nodes if n.meta.get(PHASE_KEY) == "forward"), default=last)

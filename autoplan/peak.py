@@ -114,14 +114,15 @@ class PeakRows:
 
     def _point(self, sched: memory.Schedule, name: str) -> tuple[Point, int]:
         """Where a row bounds the peak a plan's schedule ``sched`` reaches at its entry ``name``,
-        and that entry's step in ``sched``: a recomputed copy's point is the backward op that
-        triggers its chain (the next original entry), at the copy."""
+        and that entry's step in ``sched``: a copy recomputed by an option is at the backward op
+        that triggers its chain (the next entry of the base schedule), at the copy."""
         at = next(i for i, k in enumerate(sched.order) if k.name == name)
+        base = self.schedule.step  # its own recomputed copies (regathered weights) are original entries
         t = at
-        while isinstance(sched.order[t], memory.Recomputed):
+        while sched.order[t] not in base:
             t += 1
-        copy = sched.order[at] if isinstance(sched.order[at], memory.Recomputed) else None
-        return (self.schedule.step[sched.order[t]], copy), at
+        copy = None if sched.order[at] in base else sched.order[at]
+        return (base[sched.order[t]], copy), at
 
     def missed(
         self, sched: memory.Schedule, report, chosen: dict[fx.Node, Strategy], outputs: dict[int, Placements]
@@ -146,11 +147,14 @@ class PeakRows:
         layers is bounded in all of them at once, not one round per layer."""
         t, copy = point
         op = self.schedule.order[t]
-        layer = self.clustering.instance.get(op, "")
+        node = memory.node_of(op)  # a regathered weight's copy stands for its layer's too
+        layer = self.clustering.instance.get(node, "")
         tied = next((c for c in self.clustering.classes if layer in c), ())
         out = []
         for where in tied:
-            other = self._twin.get((self.clustering.rep[op], where))
+            other = self._twin.get((self.clustering.rep[node], where))
+            if other is not None and isinstance(op, memory.Recomputed):
+                other = memory.Recomputed(other)
             twin = self._twin.get((self.clustering.rep[copy.node], where)) if copy is not None else None
             if where == layer or other not in self.schedule.step or (copy is not None and twin is None):
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.adapters.dtensor import local_shape
+from autoplan.adapters.fx import boxed
 from autoplan.adapters.local_tensor import mesh_coordinate, per_rank, same_state, world_key, write_state
 from autoplan.errors import ConstraintError
 from autoplan.lowering import LoweredGraph
@@ -53,9 +55,12 @@ class _PlanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         executor: Executor = ctx.executor
-        tangents = [g for g, diff in zip(grad_outputs, executor.tensor_outputs) if diff]
+        # one list the backward empties, and no saved copy left here: each activation is freed at
+        # its last use in the backward, not when the backward ends (as the memory model counts)
+        args = [*ctx.saved_tensors, *(g for g, diff in zip(grad_outputs, executor.tensor_outputs) if diff)]
+        ctx.maybe_clear_saved_tensors()
         with torch.no_grad():
-            grads = executor.backward(*ctx.saved_tensors, *tangents)
+            grads = executor.backward(args)
         out: list = [None] * executor.n_args
         for slot, g in zip(executor.grad_slots, grads):
             out[slot] = g
@@ -70,12 +75,20 @@ def make_executor(lowered: LoweredGraph, compile_graph: Callable[[fx.GraphModule
     compile_graph = compile_graph or (lambda gm: gm)
     return Executor(
         forward=compile_graph(lowered.forward),
-        backward=compile_graph(lowered.backward),
+        backward=_called_with_a_list(compile_graph(lowered.backward)),
         n_outputs=lowered.n_outputs,
         grad_slots=grad_slots,
         n_args=n_args,
         tensor_outputs=[i in tangents for i in range(lowered.n_outputs)],
     )
+
+
+def _called_with_a_list(fn: Callable) -> Callable[[list], Any]:
+    """``fn`` taking its arguments as one list it empties (``adapters.fx.boxed``); a compiled
+    callable that is no graph module takes them as they are."""
+    if isinstance(fn, fx.GraphModule):
+        return boxed(fn)
+    return lambda args: fn(*args)
 
 
 class ParallelMixin:

@@ -572,7 +572,7 @@ def _trace_repeats(
             if list(stamped[1:]) == list(_labels(wrapper, tree_flatten(args)[0], flat_out)):
                 return stamped
         log.debug("stamping %s to three layers does not give the traced graph: tracing all layers", stack.path)
-    except stamping.StampError as e:
+    except (stamping.StampError, KeyError) as e:  # a KeyError: a copy reads a node no copy made
         log.debug("cannot stamp %s (%s): tracing all layers", stack.path, e)
     return None
 

@@ -6,6 +6,7 @@ import contextlib
 
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx.graph import _BoxedCodeGen
 
 
 def lazy_graph_modules() -> contextlib.AbstractContextManager:
@@ -19,3 +20,13 @@ def graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     """A graph module over ``graph`` (taking ``root``'s attributes), lazy as inside ``lazy_graph_modules``."""
     with lazy_graph_modules():
         return _make_graph_module(root, graph)
+
+
+def boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` called with one list of its arguments, which it empties before running:
+    FX code drops each value after its last use, so no caller's reference keeps an argument alive
+    to the end (the convention AOTAutograd uses for its backward graphs)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(_BoxedCodeGen())
+    return graph_module(gm, graph)
