@@ -20,16 +20,19 @@ IO = (Shard(0), Replicate())
 
 
 @pytest.mark.parametrize(
-    "mesh, recompute",
+    "mesh, recompute, tolerance",
     [
-        ("2x2", None),
-        pytest.param("2x2", "full", marks=pytest.mark.slow),
-        pytest.param("2x4", None, marks=pytest.mark.slow),
+        ("2x2", None, 0.05),
+        pytest.param("2x2", "full", 0.15, marks=pytest.mark.slow),
+        pytest.param("2x4", None, 0.05, marks=pytest.mark.slow),
     ],
 )
-def test_estimated_peak_is_within_15_percent_of_measured(mesh, recompute):
+def test_estimated_peak_is_within_15_percent_of_measured(mesh, recompute, tolerance):
     """LLaMA-3 debug, fp32: rank 0's lowered step runs for real on the fake process group (allocations
-    tracked by the profiler's memory timeline) beside the plan's liveness-walk estimate."""
+    tracked by the profiler's memory timeline) beside the plan's liveness-walk estimate. Without
+    recompute the two agree within 5% (-2.0%): a backward that kept every saved activation to its
+    end (-13.7%), or a model that kept the gathered weights instead of re-gathering them (+17.9%),
+    would not."""
     fake_mesh((8,))
     args = argparse.Namespace(
         model="llama3-debug",
@@ -44,7 +47,7 @@ def test_estimated_peak_is_within_15_percent_of_measured(mesh, recompute):
     )
     r = run_memory(args)
     assert (r["recompute"] != {}) == (recompute is not None)
-    assert 0.85 <= r["estimate_over_measured"] <= 1.15, r
+    assert 1 - tolerance <= r["estimate_over_measured"] <= 1 + tolerance, r
     assert r["estimate"]["activation_bytes"] > 0 and r["estimate"]["peak_parts"]
 
 
