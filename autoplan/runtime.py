@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -33,7 +32,7 @@ class Executor:
     """The compiled (or eager) forward and backward graphs and how to feed them."""
 
     forward: Callable
-    backward: Callable
+    backward: Callable  # takes its arguments as one list, which it empties (``adapters.fx.boxed``)
     n_outputs: int
     grad_slots: list[int]  # for each backward output, the forward argument it is the gradient of
     n_args: int
@@ -67,7 +66,9 @@ class _PlanFunction(torch.autograd.Function):
         return (None, *out)
 
 
-def make_executor(lowered: LoweredGraph, compile_graph: Callable[[fx.GraphModule], Callable] | None = None) -> Executor:
+def make_executor(
+    lowered: LoweredGraph, compile_graph: Callable[[fx.GraphModule], fx.GraphModule] | None = None
+) -> Executor:
     n_args = sum(1 for k, _ in lowered.input_labels if k != "tangent")
     slot_of = {(k, t): i for i, (k, t) in enumerate(lowered.input_labels)}
     grad_slots = [slot_of[(kind.removeprefix("grad_"), t)] for kind, t in lowered.output_labels[lowered.n_outputs :]]
@@ -75,20 +76,12 @@ def make_executor(lowered: LoweredGraph, compile_graph: Callable[[fx.GraphModule
     compile_graph = compile_graph or (lambda gm: gm)
     return Executor(
         forward=compile_graph(lowered.forward),
-        backward=_called_with_a_list(compile_graph(lowered.backward)),
+        backward=boxed(compile_graph(lowered.backward)),
         n_outputs=lowered.n_outputs,
         grad_slots=grad_slots,
         n_args=n_args,
         tensor_outputs=[i in tangents for i in range(lowered.n_outputs)],
     )
-
-
-def _called_with_a_list(fn: Callable) -> Callable[[list], Any]:
-    """``fn`` taking its arguments as one list it empties (``adapters.fx.boxed``); a compiled
-    callable that is no graph module takes them as they are."""
-    if isinstance(fn, fx.GraphModule):
-        return boxed(fn)
-    return lambda args: fn(*args)
 
 
 class ParallelMixin:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -201,6 +202,11 @@ def recording(stack: Stack, names: dict[str, torch.Tensor], inputs: list) -> Ite
             h.remove()
 
 
+def _rewritten(segment: list, rel: Callable) -> tuple:
+    """A recorded segment with each op's tensor references renamed by ``rel``."""
+    return tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in segment)
+
+
 def _layer_sig(rec: Recording, i: int, stack_path: str) -> tuple:
     """Layer call ``i`` with its own ops, inputs and parameters named relative to the layer."""
     seg = 1 + 2 * i
@@ -222,7 +228,7 @@ def _layer_sig(rec: Recording, i: int, stack_path: str) -> tuple:
             return (("param", ref[1][len(own_param) :]), meta)
         return r
 
-    ops = tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in rec.segments[seg])
+    ops = _rewritten(rec.segments[seg], rel)
     io = tuple(rel(rec.refer(t)) for t in rec.layer_outputs[i])
     in_meta = tuple(_meta(t) if isinstance(t, torch.Tensor) else repr(t) for t in rec.layer_inputs[i])
     return ops, io, in_meta, rec.layer_autograd[i]
@@ -240,10 +246,8 @@ def _outer_sig(rec: Recording, n_layers: int) -> tuple:
             return (("after", *r[0][2:]), r[1])
         return r
 
-    after = tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in rec.segments[2 * n_layers])
     between = [rec.segments[2 + 2 * i] for i in range(n_layers - 1)]
-    before = tuple((f, spec, tuple(rel(a) for a in refs)) for f, spec, refs in rec.segments[0])
-    return before, after, all(not s for s in between)
+    return _rewritten(rec.segments[0], rel), _rewritten(rec.segments[2 * n_layers], rel), all(not s for s in between)
 
 
 def _chained(rec: Recording) -> bool:
@@ -313,16 +317,7 @@ def _layers(gm: fx.GraphModule, in_labels: list, stack_path: str, prefix: str) -
 
 def _runs(nodes: list[fx.Node], member: set[fx.Node]) -> list[list[fx.Node]]:
     """Maximal runs of consecutive ``nodes`` in ``member``."""
-    runs, current = [], []
-    for n in nodes:
-        if n in member:
-            current.append(n)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return runs
+    return [list(run) for inside, run in itertools.groupby(nodes, key=member.__contains__) if inside]
 
 
 class StampError(Exception):

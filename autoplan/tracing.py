@@ -11,8 +11,6 @@ import contextlib
 import copy
 import functools
 import logging
-import os
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +29,10 @@ from autoplan import attention as attn
 from autoplan import stamping
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 from autoplan.adapters.fx import lazy_graph_modules
-from autoplan.errors import AutoplanError, ConstraintError, TracingError
+from autoplan.errors import ConstraintError
 from autoplan.progress import ticker
 from autoplan.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
+from autoplan.trace_errors import named_failures
 
 aten = torch.ops.aten
 PHASE_KEY = "autoplan_phase"
@@ -463,89 +462,6 @@ def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
         n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, attn))
-_OUR_MODELS = os.path.join(_LIBRARY_DIRS[1], "models") + os.sep  # model code, though shipped with autoplan
-_DATA_DEPENDENT = "DataDependentOutputException DynamicOutputShapeException GuardOnDataDependentSymNode".split()
-_OP_HINTS = {
-    "aten.embedding.default": "an embedding reads integer indices: does input_fn return token ids as"
-    " torch.long (torch.randint), not floats?",
-    "aten._grouped_mm.default": "grouped_mm takes bfloat16 inputs only: build the model in bfloat16, or (a"
-    " Hugging Face MoE) pick experts_implementation='batched_mm'",
-}
-
-
-def _source_line(tb) -> str | None:
-    """The innermost frame outside torch and autoplan: the line of model code that made the failing call."""
-    for frame in reversed(traceback.extract_tb(tb)):
-        if frame.filename.startswith(_OUR_MODELS) or not frame.filename.startswith(_LIBRARY_DIRS):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
-    return None
-
-
-def _failing_op(exc: BaseException) -> str | None:
-    """The ATen op torch was running: fake-tensor errors carry it, else the innermost dispatch frame's."""
-    op = getattr(exc, "func", None)
-    tb = exc.__traceback__
-    while op is None and tb is not None:
-        candidate = tb.tb_frame.f_locals.get("func")
-        if isinstance(candidate, torch._ops.OpOverload):
-            op = candidate
-        tb = tb.tb_next
-    return None if op is None else str(op)
-
-
-def _raised_in_torch(exc: BaseException) -> bool:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS[0])
-
-
-def _tracing_error(exc: BaseException, module_path: str) -> TracingError:
-    """Name the op, the module and the model's source line of an error torch raised while tracing."""
-    op, source = _failing_op(exc), _source_line(exc.__traceback__)
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    if type(exc).__name__ in _DATA_DEPENDENT:
-        first = "its result's shape or a Python value read from it depends on tensor data"
-        way_out = (
-            "a plan is made for one static graph (.item(), nonzero, boolean indexing and data-dependent routing"
-            " are not): compute it with static shapes (a Hugging Face MoE: experts_implementation='batched_mm'),"
-            " or outside the model and pass it in as an input"
-        )
-    else:
-        way_out = _OP_HINTS.get(op or "", "the op's checks failed on fake tensors, as they would on the target device")
-    lines = [
-        f"tracing failed in {op or 'an op'} (module {module_path or '<top level>'}): {first}",
-        f"  at {source or '<no model source line>'}",
-        f"  {way_out}",
-    ]
-    return TracingError("\n".join(lines), op=op, module_path=module_path, source=source)
-
-
-def _not_meta_failure(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("failed while attempting to run meta")
-
-
-@contextlib.contextmanager
-def _named_failures():
-    """Re-raise errors torch raises while tracing as ``TracingError`` (the original is the cause).
-
-    Fake-tensor mode also logs a failing meta kernel with its full stack; the error says it better.
-    """
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    fake_log.addFilter(_not_meta_failure)
-    try:
-        yield
-    except AutoplanError:
-        raise
-    except Exception as e:
-        if not _raised_in_torch(e):
-            raise
-        raise _tracing_error(e, _current_module_path()) from e
-    finally:
-        fake_log.removeFilter(_not_meta_failure)
-
-
 def _trace_repeats(
     wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode, stack: stamping.Stack, full, flat_out: list
 ) -> tuple | None:
@@ -584,7 +500,7 @@ def _enter_tracing(stack: contextlib.ExitStack, wrapper: nn.Module, attention: s
     stack.enter_context(fx_traceback.preserve_node_meta())
     stack.enter_context(_record_module_paths(wrapper, tick))
     stack.enter_context(_attention_mode(attention))
-    stack.enter_context(_named_failures())
+    stack.enter_context(named_failures(_current_module_path))
 
 
 def trace_joint(
