@@ -14,13 +14,18 @@ lowered per-rank program runs in. At each step the live bytes are:
   buffers the move's collectives hold around themselves (a gather on a non-leading dim holds the
   gathered chunks and their re-laid copy at once); likewise a gradient's move into its
   parameter's placement where it is produced, and the model outputs' moves at the forward's end.
+  A view of a moved input owns the moved copy until its last reader; only the move's other
+  buffers pass with the view's own step.
 
-The ILP bounds the same sum at a few candidate steps (``PeakRows``); every term is the bytes of one
-node's output under its chosen placement, which is linear in the placement choice.
+The ILP bounds the same sum at a few steps (``PeakRows``); every term is the bytes of one node's
+output under its chosen placement, or a move's bytes over the placements at its two ends, which
+is linear in the placement choice (exactly the walk's sum, but for a few rare shapes the rows
+over-count).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,6 +168,68 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> S
     return Schedule(tuple(order), step, owner, born, last_use, reads, dies, resident, forward_end, len(order))
 
 
+@dataclass(frozen=True)
+class GradientMove:
+    """A parameter's gradient where the schedule makes it. Made in another placement than its
+    parameter's, it is moved there at once (the lowering reduces it where it is made): the made
+    copy lives on only while its readers run, the moved one to the optimizer step."""
+
+    value: fx.Node  # the graph's gradient output
+    param: fx.Node
+    owner: Key  # its storage (it may be a view, e.g. the transpose of a matmul's output)
+    made: int
+    kept: int  # the last step the made copy is alive when moved
+    sole: bool  # its storage holds it alone (one gradient, of the storage's size)
+
+
+def gradient_moves(tg: TracedGraph, sched: Schedule) -> list[GradientMove]:
+    """Every gradient's ``GradientMove``; placement-independent."""
+    params = tg.placeholder_for("param")
+    pairs = [(o, params[f]) for f, o in tg.outputs_of("grad_param").items() if isinstance(o, fx.Node)]
+    values = {o for o, _ in pairs}
+    count = Counter(sched.owner[o] for o in values)
+    kept: dict[Key, int] = {}
+    for n, owner in sched.owner.items():
+        if owner in count:
+            last = sched.reads[n] if n in values else sched.last_use[n]
+            kept[owner] = max(kept.get(owner, sched.born[owner]), last)
+    return [
+        GradientMove(o, p, w, sched.step[o], kept[w], count[w] == 1 and _numel(node_of(w)) == _numel(o))
+        for o, p in pairs
+        for w in [sched.owner[o]]
+    ]
+
+
+def _numel(n: fx.Node) -> int:
+    return sum(v.numel() for v in output_vals(n) if isinstance(v, torch.Tensor))
+
+
+def _made(value: fx.Node, chosen: dict[fx.Node, Strategy]) -> Placements | None:
+    """The placement ``chosen`` makes ``value`` in (None where it has no strategy)."""
+    u, k = value_of(value)
+    return chosen[u].outputs[k] if u in chosen else None
+
+
+def gradient_prices(
+    moves: list[GradientMove], step: int, move: Price, mesh_shape, before: bool = False
+) -> list[tuple[GradientMove, Price]]:
+    """What each gradient adds at ``step`` (``before``: right before it) to its storage's bytes, as
+    a price of its move (made placement, parameter's placement): the move's buffers where it is
+    made; the moved copy while the made one lives; afterwards the moved copy in the made one's
+    place (exact for a storage holding one gradient of its own size, else the moved copy on top)."""
+    copy = moved_copy_bytes(mesh_shape)
+
+    def replaced(made: Placements, read: Placements, meta) -> float:
+        return 0.0 if made == read else float(local_bytes(meta, read, mesh_shape) - local_bytes(meta, made, mesh_shape))
+
+    out = []
+    for g in moves:
+        if step < g.made or before and step == g.made:
+            continue
+        out.append((g, move if step == g.made else copy if step <= g.kept or not g.sole else replaced))
+    return out
+
+
 def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shape) -> int:
     """Local bytes of a node's tensor outputs under ``outputs``."""
     return sum(
@@ -197,6 +264,14 @@ def output_move_bytes(
     return total
 
 
+@dataclass(frozen=True)
+class Walk:
+    """The bytes alive at each step of a schedule under a plan, and the report of its peak."""
+
+    live: np.ndarray
+    report: MemoryReport
+
+
 def estimate(
     tg: TracedGraph,
     chosen: dict[fx.Node, Strategy],
@@ -206,6 +281,19 @@ def estimate(
     move: Price | None = None,
     fixed_outputs: dict[int, Placements] | None = None,
 ) -> MemoryReport:
+    """The memory report of ``walk``."""
+    return walk(tg, chosen, mesh_shape, optimizer, sched, move, fixed_outputs).report
+
+
+def walk(
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    mesh_shape,
+    optimizer: OptimizerSpec = ADAMW,
+    sched: Schedule | None = None,
+    move: Price | None = None,
+    fixed_outputs: dict[int, Placements] | None = None,
+) -> Walk:
     """Walk the schedule under ``chosen`` and find the step with the most bytes alive.
 
     ``move`` prices what a redistribution holds while it runs (by default its result only; the
@@ -218,18 +306,16 @@ def estimate(
     optimizer_bytes = int(
         sum(per_param[f] * optimizer.bytes_per_param_byte(n.meta["val"].dtype) for f, n in params.items())
     )
-    grad_of = {o: params[f] for f, o in tg.outputs_of("grad_param").items() if isinstance(o, fx.Node)}
-    # a gradient produced in another placement than its parameter's is moved there at once (the
-    # lowering reduces it where it is produced): the produced copy dies, the moved one stays
-    moved = {o: p for o, p in grad_of.items() if o in chosen and chosen[o].outputs[0] != chosen[p].outputs[0]}
-    grads = {sched.owner[o] for o in grad_of}
+    gms = gradient_moves(tg, sched)
+    grads = {g.owner for g in gms}
+    # a gradient made in another placement than its parameter's is moved there at once (the
+    # lowering reduces it where it is made): the made copy dies after its readers, the moved one stays
+    moved = [g for g in gms if _made(g.value, chosen) not in (None, chosen[g.param].outputs[0])]
     dies = dict(sched.dies)
-    shortened = {sched.owner[o] for o in moved}  # a moved gradient may be a view (a transpose) of its storage
-    for owner in shortened:
-        dies[owner] = sched.born[owner]
-    for n, owner in sched.owner.items():
-        if owner in shortened:
-            dies[owner] = max(dies[owner], sched.reads[n] if n in moved else sched.last_use[n])
+    kept = {g.owner for g in moved} - {g.owner for g in gms if g not in moved}
+    for g in moved:
+        if g.owner in kept:
+            dies[g.owner] = g.kept
     owned: dict[Key, tuple[int, int, int]] = {}  # storage -> (bytes, first step, last step)
     for k, owner in sched.owner.items():
         n = node_of(k)
@@ -240,20 +326,23 @@ def estimate(
         elif _moved_inputs(n, chosen, move):  # a view of a moved value owns the moved copy
             owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.last_use[k])
     last = sched.n_steps - 1
-    extra = [(value_bytes(p, chosen[p].outputs, mesh_shape), sched.step[o], last) for o, p in moved.items()]
+    extra = [(value_bytes(g.param, chosen[g.param].outputs, mesh_shape), g.made, last) for g in moved]
     delta = np.zeros(sched.n_steps + 1)
     for b, born, dies in [*owned.values(), *extra]:
         delta[born] += b
         delta[dies + 1] -= b
     transient = np.zeros(sched.n_steps)
+    copy = moved_copy_bytes(mesh_shape)
     for k, step in sched.step.items():
         n = node_of(k)
-        if n in chosen and n.op == "call_function" and not aliases_input(n):
+        if n in chosen and n.op == "call_function":
             transient[step] = _moved_inputs(n, chosen, move)
-    for o, p in moved.items():  # what the gradient's move holds besides its result (counted above)
-        meta = tensor_meta(o.meta["val"])
-        made, want = chosen[o].outputs[0], chosen[p].outputs[0]
-        transient[sched.step[o]] += move(made, want, meta) - local_bytes(meta, want, mesh_shape)
+            if aliases_input(n):  # a view owns its moved copy (above); the move's other buffers pass here
+                transient[step] -= _moved_inputs(n, chosen, copy)
+    for g in moved:  # what the gradient's move holds besides its result (counted above)
+        meta = tensor_meta(g.value.meta["val"])
+        want = chosen[g.param].outputs[0]
+        transient[g.made] += move(_made(g.value, chosen), want, meta) - local_bytes(meta, want, mesh_shape)
     transient[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
     live = np.cumsum(delta)[:-1] + transient + optimizer_bytes
     t = int(np.argmax(live))
@@ -267,7 +356,7 @@ def estimate(
             parts[kind] = parts.get(kind, 0) + b
         if kind == "activations" and dies > sched.forward_end:
             saved += b
-    return MemoryReport(
+    report = MemoryReport(
         param_bytes=sum(per_param.values()),
         grad_bytes=sum(per_param.values()),  # once reduced into the parameters' placements
         optimizer_bytes=optimizer_bytes,
@@ -278,6 +367,7 @@ def estimate(
         peak_parts=dict(sorted(parts.items())),
         per_param=per_param,
     )
+    return Walk(live, report)
 
 
 def _kind(n: Key, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
@@ -339,14 +429,16 @@ def row_bytes(
 def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     """The ops whose moved inputs' copies are alive at ``step``, as an ILP row there counts them:
     the op run at ``step`` (a recomputed copy's moves count on its option), whose moves hold all
-    their buffers then; and the views alive then whose input is read in another placement, which
-    hold only the moved result (the view owns it until its last reader, see ``estimate``)."""
+    their buffers then (a view's too: a gather through the whole tensor to take a chunk of it
+    holds the whole tensor); and the views alive then, run before, whose input is read in another
+    placement, which hold only the moved result (the view owns it until its last reader, see
+    ``estimate``)."""
     n = node_of(sched.order[step])
-    ops = [n] if n.op == "call_function" and not aliases_input(n) else []
+    ops = [n] if n.op == "call_function" else []
     views = {
         node_of(v)
         for v, owner in sched.owner.items()
-        if owner is not v and sched.step[v] <= step <= sched.last_use[v] and node_of(v).op == "call_function"
+        if owner is not v and sched.step[v] < step <= sched.last_use[v] and node_of(v).op == "call_function"
     }
     return ops, sorted(views, key=sched.step.__getitem__)
 
@@ -364,14 +456,20 @@ def linear_peak_bytes(
     mesh_shape,
     optimizer,
     move: Price,
+    grads: list[GradientMove],
 ) -> int:
-    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by ``move``)."""
+    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by
+    ``move``; ``grads``: ``gradient_moves``)."""
     alive = [node_of(k) for k in live_storages(sched, step)]
     stored = sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen)
     ops, views = moves_at(sched, step)
     copy = moved_copy_bytes(mesh_shape)
     moved = sum(_moved_inputs(op, chosen, move) for op in ops if op in chosen)
     moved += sum(_moved_inputs(v, chosen, copy) for v in views if v in chosen)
+    for g, price in gradient_prices(grads, step, move, mesh_shape):
+        made = _made(g.value, chosen)
+        if made is not None:
+            moved += price(made, chosen[g.param].outputs[0], tensor_meta(g.value.meta["val"]))
     return int(stored + moved)
 
 

@@ -22,7 +22,7 @@ from autoplan.clustering import Clustering
 from autoplan.costs import CostModel, local_bytes
 from autoplan.devices import DeviceProfile
 from autoplan.ilp import BudgetRow, RecomputeVar
-from autoplan.problem import Linear, PlacementProblem, input_moves, output_moves
+from autoplan.problem import Linear, PlacementProblem, gradient_moves, input_moves, output_moves
 from autoplan.strategies import Placements, Strategy
 from autoplan.tracing import TracedGraph
 
@@ -30,6 +30,7 @@ from autoplan.tracing import TracedGraph
 # before that step, which triggers its chain) at whose run the row measures what recomputing keeps
 Point = tuple[int, "memory.Recomputed | None"]
 PEAK_GROUP = "memory constraint: estimated peak"
+MAX_POINTS = 8  # steps one round bounds at most
 
 
 def option_name(layer: str, option: str) -> str:
@@ -56,6 +57,7 @@ class PeakRows:
         self.mesh_shape = tuple(self.mesh.shape)
         self.params = set(self.tg.placeholder_for("param").values())
         self.schedule = memory.schedule(self.tg)
+        self.grads = memory.gradient_moves(self.tg, self.schedule)
         # what a move holds while it runs depends on the mesh alone, not on the device profile
         self.move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
         self.layers = recompute.layers(self.tg.gm.graph)
@@ -112,29 +114,45 @@ class PeakRows:
             self._changes[(step, option, copy)] = dict(sorted(by_layer.items()))
         return self._changes[(step, option, copy)]
 
-    def _point(self, sched: memory.Schedule, name: str) -> tuple[Point, int]:
-        """Where a row bounds the peak a plan's schedule ``sched`` reaches at its entry ``name``,
-        and that entry's step in ``sched``: a copy recomputed by an option is at the backward op
-        that triggers its chain (the next entry of the base schedule), at the copy."""
-        at = next(i for i, k in enumerate(sched.order) if k.name == name)
+    def _point(self, sched: memory.Schedule, at: int) -> Point:
+        """Where a row bounds the bytes a plan's schedule ``sched`` holds at its step ``at``: a copy
+        recomputed by an option is at the backward op that triggers its chain (the next entry of
+        the base schedule), at the copy."""
         base = self.schedule.step  # its own recomputed copies (regathered weights) are original entries
         t = at
         while sched.order[t] not in base:
             t += 1
-        copy = None if sched.order[at] in base else sched.order[at]
-        return (base[sched.order[t]], copy), at
+        return base[sched.order[t]], None if sched.order[at] in base else sched.order[at]
 
-    def missed(
-        self, sched: memory.Schedule, report, chosen: dict[fx.Node, Strategy], outputs: dict[int, Placements]
-    ) -> tuple[Point, float]:
-        """Where a row bounds the plan's estimated peak, and the bytes of it that row does not count."""
-        t, at = self._point(sched, report.peak_at)
-        linear = memory.linear_peak_bytes(
-            sched, at, chosen, self.params, self.mesh_shape, self.optimizer, self.move_bytes
-        )
-        if t == (self.schedule.forward_end, None):
-            linear += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes)
-        return t, report.peak_bytes - linear
+    def over(
+        self,
+        sched: memory.Schedule,
+        live: np.ndarray,
+        chosen: dict[fx.Node, Strategy],
+        outputs: dict[int, Placements],
+        budget: float,
+    ) -> list[tuple[Point, float]]:
+        """Where rows would bound a plan's bytes ``live`` over ``budget`` (its peak first, then
+        other local maxima above it, at most ``MAX_POINTS``), and the bytes each row does not count:
+        one round bounds several peaks at once, not one peak per round."""
+        left, right = np.r_[-np.inf, live[:-1]], np.r_[live[1:], -np.inf]
+        maxima = np.flatnonzero((live > budget) & (live >= left) & (live > right))
+        top = [int(np.argmax(live))] + [int(t) for t in maxima[np.argsort(-live[maxima], kind="stable")]]
+        grads = memory.gradient_moves(self.tg, sched)
+        found: dict[Point, float] = {}
+        for at in dict.fromkeys(top):
+            point = self._point(sched, at)
+            if point in found:
+                continue
+            linear = memory.linear_peak_bytes(
+                sched, at, chosen, self.params, self.mesh_shape, self.optimizer, self.move_bytes, grads
+            )
+            if point == (self.schedule.forward_end, None):
+                linear += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes)
+            found[point] = float(live[at]) - linear
+            if len(found) == MAX_POINTS:
+                break
+        return list(found.items())
 
     def bound(self, steps: dict[Point, float], point: Point, missed: float) -> None:
         """Bound the peak at ``point`` less ``missed``, and at its analogues in identical layers."""
@@ -201,6 +219,8 @@ class PeakRows:
             ops, views = memory.moves_at(self.schedule, step)
             moves = input_moves(problem, ops, self.move_bytes)
             moves.add(input_moves(problem, views, memory.moved_copy_bytes(self.mesh_shape)))
+            made = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, copy is not None)
+            moves.add(gradient_moves(problem, [(g.value, g.param, price) for g, price in made]))
             if step == self.schedule.forward_end and copy is None:  # where the lowering moves the outputs
                 moves.add(output_moves(self.tg, problem, outputs, self.move_bytes))
             group = peak_group(peak_budget)

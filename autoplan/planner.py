@@ -40,7 +40,7 @@ from autoplan.tracing import TracedGraph
 from solvers import OPTIMALITY_GAP, InfeasibleError, SolverTimeoutError
 
 log = logging.getLogger(__name__)
-_PEAK_ROUNDS = 5  # solves at most, each bounding the peak at one more step
+_PEAK_ROUNDS = 5  # solves at most, each bounding the peak at more steps
 DEFAULT_GAP = 1e-2  # relative MIP gap a plan is certified within by default (``AutoParallel``)
 NO_RECOMPUTE = "none"
 _SMALLEST_PEAK_S = 60.0  # time for finding the least peak an infeasible cap's error reports
@@ -171,31 +171,36 @@ class Planner:
 
     def estimate(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str], request: Request):
         """The memory report of a plan and the schedule it was walked on."""
-        sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.peak.schedule
-        report = memory.estimate(
-            self.tg, chosen, self.mesh_shape, self.optimizer, sched, self.peak.move_bytes, request.outputs
-        )
+        report, sched, _ = self.walk(chosen, choice, request)
         return report, sched
+
+    def walk(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str], request: Request):
+        """The memory report of a plan, the schedule it was walked on and the bytes alive at each step."""
+        sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.peak.schedule
+        move = self.peak.move_bytes
+        walk = memory.walk(self.tg, chosen, self.mesh_shape, self.optimizer, sched, move, request.outputs)
+        return walk.report, sched, walk.live
 
     def _solve_within_peak(self, request: Request, solve_with, steps: dict[Point, float]) -> _Solved:
         """``solve_with(steps)`` with the peak bounded at ``steps``; where the plan's estimated peak
-        still exceeds the cap (at another step, or through bytes the rows miss: moved copies), bound
-        that step too, less what its row misses (or, where it is bounded already, less the
-        overshoot), and solve again, at most ``_PEAK_ROUNDS`` times."""
+        still exceeds the cap (at other steps, or through bytes the rows miss), bound those steps
+        too (``PeakRows.over``: the peak and the other local maxima over the cap), each less what
+        its row misses (or, where it is bounded already, less the overshoot), and solve again, at
+        most ``_PEAK_ROUNDS`` times."""
         steps, build_s, solve_s = dict(steps), 0.0, 0.0
         for _ in range(_PEAK_ROUNDS):
             problem, solved, chosen = solve_with(steps)
             build_s, solve_s = build_s + solved.build_time, solve_s + solved.solve_time
             if request.peak_budget is None:
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            report, sched = self.estimate(chosen, _choice(solved.recompute), request)
+            report, sched, live = self.walk(chosen, _choice(solved.recompute), request)
             if not _over(report, request):
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            t, missed = self.peak.missed(sched, report, chosen, request.outputs)
-            missed = max(steps.get(t, 0.0), missed)
-            if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
-                missed = steps[t] + report.peak_bytes - request.peak_budget
-            self.peak.bound(steps, t, missed)
+            for t, missed in self.peak.over(sched, live, chosen, request.outputs, request.peak_budget):
+                missed = max(steps.get(t, 0.0), missed)
+                if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
+                    missed = steps[t] + report.peak_bytes - request.peak_budget
+                self.peak.bound(steps, t, missed)
         return _Solved(problem, solved, chosen, False, steps, build_s, solve_s)
 
     def _main_solve(self, request: Request, cost_model: CostModel) -> _Solved:
@@ -313,14 +318,15 @@ class Planner:
                 )
             except SolverTimeoutError:
                 break
-            report, sched = self.estimate(chosen, _choice(solved.recompute), request)
+            report, sched, live = self.walk(chosen, _choice(solved.recompute), request)
             least = report.peak_bytes if least is None else min(least, report.peak_bytes)
             if report.peak_bytes <= solved.peak + 1.0:
                 break
-            t, missed = self.peak.missed(sched, report, chosen, request.outputs)
-            if t in steps and missed <= steps[t]:
+            points = self.peak.over(sched, live, chosen, request.outputs, solved.peak + 1.0)
+            if all(t in steps and missed <= steps[t] for t, missed in points):
                 break
-            self.peak.bound(steps, t, missed)
+            for t, missed in points:
+                self.peak.bound(steps, t, max(steps.get(t, 0.0), missed))
         return least
 
     def _refine(self, request, clustering, group, chosen, recomputed, cost_model, steps, time_limit, least):

@@ -233,6 +233,18 @@ def input_moves(problem: PlacementProblem, nodes: Iterable[fx.Node], price: Pric
     return out
 
 
+def gradient_moves(problem: PlacementProblem, moves: Iterable[tuple[fx.Node, fx.Node, Price]]) -> Linear:
+    """``price`` of each (gradient, parameter, price): over the placement the gradient is made in and
+    its parameter's, as a function of the choice."""
+    rep, out = problem.clustering.rep, Linear()
+    for value, param, price in moves:
+        u, k = value_of(value)
+        if rep.get(u) in problem.root and rep.get(param) in problem.root:
+            edge = _edge(problem.strategies, problem.root, pairwise(price), rep[u], k, rep[param], "out")
+            _add_edge(out, problem, edge)
+    return out
+
+
 def output_moves(
     tg: TracedGraph, problem: PlacementProblem, fixed_outputs: dict[int, Placements], price: Price
 ) -> Linear:
