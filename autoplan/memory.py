@@ -14,7 +14,7 @@ lowered per-rank program runs in. At each step the live bytes are:
   buffers the move's collectives hold around themselves (a gather on a non-leading dim holds the
   gathered chunks and their re-laid copy at once); likewise a gradient's move into its
   parameter's placement where it is produced, and the model outputs' moves at the forward's end.
-  A view of a moved input owns the moved copy until its last reader; only the move's other
+  A view of a moved input owns the moved copy until the last reader of it or its views; the move's other
   buffers pass with the view's own step.
 
 The ILP bounds the same sum at a few steps (``PeakRows``); every term is the bytes of one node's
@@ -90,6 +90,7 @@ class Schedule:
     owner: dict[Key, Key]  # each value -> the entry whose storage it lives in (views -> base)
     born: dict[Key, int]  # storage owner -> first step it is alive
     last_use: dict[Key, int]  # each value -> the last step that reads it (itself, not its views)
+    view_last: dict[Key, int]  # each view -> the last step that reads it or a view of it
     reads: dict[Key, int]  # each value -> the last op that reads it (graph outputs not counted)
     dies: dict[Key, int]  # storage owner -> last step it is alive
     resident: frozenset[fx.Node]  # parameters, buffers, inputs, constants: alive throughout
@@ -159,13 +160,20 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> S
         if isinstance(o, fx.Node):
             last_use[o] = max(last_use[o], last if kind.startswith("grad") else forward_end)
     dies = dict(last_use)
+    view_last = {k: last_use[k] for k in order if owner[k] is not k}
     for k in order:
         dies[owner[k]] = max(dies[owner[k]], last_use[k])
+        parent = inputs[k][0] if k in view_last else None
+        while parent in view_last:  # a view of a view keeps what its parent owns alive
+            view_last[parent] = max(view_last[parent], last_use[k])
+            parent = inputs[parent][0]
     first_backward = forward_end + 1
     born = {k: (first_backward if kinds.get(k) == "tangent" else step[k]) for k in order}
     for n in resident:
         born[n], dies[n] = 0, last
-    return Schedule(tuple(order), step, owner, born, last_use, reads, dies, resident, forward_end, len(order))
+    return Schedule(
+        tuple(order), step, owner, born, last_use, view_last, reads, dies, resident, forward_end, len(order)
+    )
 
 
 @dataclass(frozen=True)
@@ -323,8 +331,8 @@ def walk(
             continue
         if owner is k:
             owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
-        elif _moved_inputs(n, chosen, move):  # a view of a moved value owns the moved copy
-            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.last_use[k])
+        elif _moved_inputs(n, chosen, move):  # a view of a moved value owns the moved copy (its views too)
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.view_last[k])
     last = sched.n_steps - 1
     extra = [(value_bytes(g.param, chosen[g.param].outputs, mesh_shape), g.made, last) for g in moved]
     delta = np.zeros(sched.n_steps + 1)
@@ -431,14 +439,14 @@ def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     the op run at ``step`` (a recomputed copy's moves count on its option), whose moves hold all
     their buffers then (a view's too: a gather through the whole tensor to take a chunk of it
     holds the whole tensor); and the views alive then, run before, whose input is read in another
-    placement, which hold only the moved result (the view owns it until its last reader, see
+    placement, which hold only the moved result (the view owns it until the last reader of it or its views, see
     ``estimate``)."""
     n = node_of(sched.order[step])
     ops = [n] if n.op == "call_function" else []
     views = {
         node_of(v)
         for v, owner in sched.owner.items()
-        if owner is not v and sched.step[v] < step <= sched.last_use[v] and node_of(v).op == "call_function"
+        if owner is not v and sched.step[v] < step <= sched.view_last[v] and node_of(v).op == "call_function"
     }
     return ops, sorted(views, key=sched.step.__getitem__)
 

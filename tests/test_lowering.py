@@ -79,7 +79,7 @@ def _unsharded_parameter(node, params) -> bool:
     """Is ``node`` a gathered parameter: a parameter through gathers, waits and layout ops only?"""
     layout = (
         *("view", "_unsafe_view", "t", "transpose", "permute", "split", "getitem", "cat"),
-        *("clone", "contiguous", "_to_copy"),
+        *("clone", "contiguous", "_to_copy", "index_select", "slice"),
     )
     seen_gather = False
     stack, visited = [node], set()
@@ -141,3 +141,41 @@ def test_pass_counts_reach_the_plan_report(lowered_llama):
     assert "recompute chains tagged" in summary
     assert "collectives before passes: all_gather" in summary and "collectives after passes: all_gather" in summary
     assert type(plan).from_json(plan.to_json()).passes == plan.passes
+
+
+def test_a_nested_shards_chunk_of_a_gathered_weight_is_re_gathered():
+    """(S0, S0) -> (R, S0) gathers the whole weight and picks this rank's chunk by index (a copy):
+    the chunk is re-made in the backward from a new gather, not saved (FSDP's reshard after
+    forward, which the memory model assumes); only the small index is saved."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoplan.collectives import c10d
+    from autoplan.lowering import partition
+    from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, tag_parameter_gathers
+
+    group = fake_mesh((2,)).get_group().group_name
+
+    def joint(w, coord, x, tangent):
+        full = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(w, 2, group))
+        chunk = torch.index_select(full.view(2, 4, 8), 0, coord[:1]).view(4, 8)
+        y = x @ chunk
+        return y, tangent @ chunk.t()
+
+    args = (torch.randn(4, 8), torch.zeros(2, dtype=torch.long), torch.randn(3, 4), torch.randn(3, 8))
+    gm = make_fx(joint, tracing_mode="fake")(*args)
+    w = next(iter(gm.graph.find_nodes(op="placeholder")))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grad = out.args[0][1]  # tangent @ chunk.t(): the backward, reading the chunk
+    in_backward = {grad, *grad.all_input_nodes[1:]}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta["partitioner_tag"] = "is_backward" if n in in_backward else "is_forward"
+    stats = tag_parameter_gathers(gm.graph, {w})
+    picked = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.index_select.default)
+    assert stats.chains == 1 and picked.meta.get(RECOMPUTE_KEY)
+    forward, backward_gm = partition(gm, 1)
+    saved = [n for n in backward_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangent")]
+    inputs = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+    assert [n.name for n in saved if n.name not in inputs and n.meta["val"].numel() > 2] == []
+    assert any(n.name == w.name for n in saved)  # the shard, from which the backward gathers again
+    assert count_collectives(backward_gm)["all_gather"] == 1

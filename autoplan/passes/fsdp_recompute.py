@@ -3,8 +3,9 @@
 Without tags, partitioning saves every forward value the backward reads, including all-gathered
 (unsharded) weights: that breaks FSDP's memory contract (reshard after forward). This pass tags a
 parameter's all-gather, its wait and the whole cheap chain downstream of it (views, dtype casts,
-chunk/cat reassembly, further all-gathers of the same value) as must-recompute; the partition then
-copies the chain into the backward graph and saves only the shard.
+chunk/cat reassembly, a nested shard's chunk picked by index, further all-gathers of the same
+value) as must-recompute; the partition then copies the chain into the backward graph and saves
+only the shard.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _CHEAP = {
     aten.expand.default,
     aten.slice.Tensor,
     aten.select.int,
+    aten.index_select.default,
     aten.split.Tensor,
     aten.chunk.default,
     aten.cat.default,
@@ -81,8 +83,11 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
             tagged.add(node)
             for user in node.users:
                 cheap = is_c10d(user) or user.target in _CHEAP
-                # multi-input cheap ops (a ``cat`` of gathered chunks) join once all their inputs have
-                if _is_forward(user) and cheap and all(a in tagged for a in user.all_input_nodes):
+                # multi-input cheap ops (a ``cat`` of gathered chunks) join once all their inputs
+                # have; a chunk picked by index (a nested shard's own chunk of the gathered weight,
+                # a copy) once its data has: the small index is saved instead
+                data = user.args[:1] if user.target is aten.index_select.default else user.all_input_nodes
+                if _is_forward(user) and cheap and all(a in tagged for a in data):
                     frontier.append(user)
     for node in tagged:
         node.meta[RECOMPUTE_KEY] = True
