@@ -280,19 +280,6 @@ class Walk:
     report: MemoryReport
 
 
-def estimate(
-    tg: TracedGraph,
-    chosen: dict[fx.Node, Strategy],
-    mesh_shape,
-    optimizer: OptimizerSpec = ADAMW,
-    sched: Schedule | None = None,
-    move: Price | None = None,
-    fixed_outputs: dict[int, Placements] | None = None,
-) -> MemoryReport:
-    """The memory report of ``walk``."""
-    return walk(tg, chosen, mesh_shape, optimizer, sched, move, fixed_outputs).report
-
-
 def walk(
     tg: TracedGraph,
     chosen: dict[fx.Node, Strategy],
@@ -440,7 +427,7 @@ def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     their buffers then (a view's too: a gather through the whole tensor to take a chunk of it
     holds the whole tensor); and the views alive then, run before, whose input is read in another
     placement, which hold only the moved result (the view owns it until the last reader of it or its views, see
-    ``estimate``)."""
+    ``walk``)."""
     n = node_of(sched.order[step])
     ops = [n] if n.op == "call_function" else []
     views = {
