@@ -305,9 +305,10 @@ def walk(
     grads = {g.owner for g in gms}
     # a gradient made in another placement than its parameter's is moved there at once (the
     # lowering reduces it where it is made): the made copy dies after its readers, the moved one stays
-    moved = [g for g in gms if _made(g.value, chosen) not in (None, chosen[g.param].outputs[0])]
+    is_moved = [_made(g.value, chosen) not in (None, chosen[g.param].outputs[0]) for g in gms]
+    moved = [g for g, m in zip(gms, is_moved) if m]
     dies = dict(sched.dies)
-    kept = {g.owner for g in moved} - {g.owner for g in gms if g not in moved}
+    kept = {g.owner for g in moved} - {g.owner for g, m in zip(gms, is_moved) if not m}
     for g in moved:
         if g.owner in kept:
             dies[g.owner] = g.kept

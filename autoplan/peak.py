@@ -138,7 +138,7 @@ class PeakRows:
         left, right = np.r_[-np.inf, live[:-1]], np.r_[live[1:], -np.inf]
         maxima = np.flatnonzero((live > budget) & (live >= left) & (live > right))
         top = [int(np.argmax(live))] + [int(t) for t in maxima[np.argsort(-live[maxima], kind="stable")]]
-        grads = memory.gradient_moves(self.tg, sched)
+        grads = self.grads if sched is self.schedule else memory.gradient_moves(self.tg, sched)
         found: dict[Point, float] = {}
         for at in dict.fromkeys(top):
             point = self._point(sched, at)

@@ -117,10 +117,9 @@ class Recording:
         """``r`` with the small real tensors no op made (a module making ``torch.tensor(...)`` in
         every call) named by value; read after recording, as reading them under fake mode fails."""
         if isinstance(r, tuple) and r[0][0] == "ext":
-            t = self.outside[r[0][1]]
-            small = not isinstance(t, FakeTensor) and t.device.type == "cpu"
-            if small and t.numel() <= SMALL_CONSTANT:
-                return (("const", t.dtype, tuple(t.shape), tuple(t.detach().flatten().tolist())), r[1])
+            value = _by_value(self.outside[r[0][1]])
+            if value is not None:
+                return (("const", *value), r[1])
         return r
 
 
@@ -480,10 +479,19 @@ def _target(gm: fx.GraphModule, n: fx.Node) -> tuple:
     if n.op == "placeholder":
         return (n.op,)
     if n.op == "get_attr":
-        value = getattr(gm, n.target)
-        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() <= SMALL_CONSTANT:
-            return (n.op, value.dtype, tuple(value.shape), tuple(value.detach().flatten().tolist()))
+        value = _by_value(getattr(gm, n.target))
+        if value is not None:
+            return (n.op, *value)
     return (n.op, n.target)
+
+
+def _by_value(t: object) -> tuple | None:
+    """A small real CPU tensor as (dtype, shape, values), to be compared by value; else None."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type != "cpu":
+        return None
+    if t.numel() > SMALL_CONSTANT:
+        return None
+    return t.dtype, tuple(t.shape), tuple(t.detach().flatten().tolist())
 
 
 def _value_meta(v) -> object:
