@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import init_fake_world
 
-from autoplan.bench import collective_free, main
+from autoplan.bench import main
+from autoplan.collective_free import collective_free
 
 c10d = torch.ops._c10d_functional
 
