@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry
 
 from autoplan import attention
-from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_steps, shard_dim
+from autoplan.adapters.dtensor import Placements, TensorMeta, logical_shapes, redistribute_steps, shape_free, shard_dim
 from autoplan.devices import H100_SXM, DeviceProfile, LinkKind
 
 aten = torch.ops.aten
@@ -94,9 +94,13 @@ class MeshTopology:
 
 def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """The largest local shard's shape: DTensor chunks with ceil, so rank 0 holds the biggest piece."""
+    return split_shape(shape, [shard_dim(p) for p in placements], mesh_shape)
+
+
+def split_shape(shape: Sequence[int], dims: Sequence[int | None], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """``local_shape`` from the tensor dim each mesh dim splits (``None``: not split)."""
     sizes = list(shape)
-    for placement, n in zip(placements, mesh_shape, strict=True):
-        dim = shard_dim(placement)
+    for dim, n in zip(dims, mesh_shape, strict=True):
         if dim is not None:
             sizes[dim] = -(-sizes[dim] // n)
     return tuple(sizes)
@@ -172,10 +176,11 @@ def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 
 def relayout_copies(
-    kind: TransferKind, src: Placement, dst: Placement, before: Sequence[int], after: Sequence[int]
+    kind: TransferKind, src_dim: int | None, dst_dim: int | None, before: Sequence[int], after: Sequence[int]
 ) -> tuple[Sequence[int], ...]:
     """Local shapes of the copies a collective on a non-leading tensor dim makes (as DTensor runs it
-    on a GPU mesh); ``before``/``after``: the rank's local shape before and after the step.
+    on a GPU mesh); ``src_dim``/``dst_dim``: the tensor dim the step's mesh dim splits before and
+    after (``None``: not split); ``before``/``after``: the rank's local shape before and after it.
 
     NCCL gathers and scatters along dim 0 only, so: an all-gather on dim d returns its chunks
     stacked on dim 0 and one copy moves them to dim d (a view when the gathered blocks are already
@@ -183,7 +188,6 @@ def relayout_copies(
     all-to-all moves the new shard dim to the front before the exchange and the gathered dim
     back after it (each a copy unless the move is a view).
     """
-    src_dim, dst_dim = shard_dim(src), shard_dim(dst)
     if kind == "all_gather" and src_dim and not _leading_block(before, src_dim):
         return (after,)
     if kind == "reduce_scatter" and dst_dim and not _leading_block(before, dst_dim):
@@ -377,9 +381,17 @@ def node_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[s
 # ---------------------------------------------------------------------------------------------- model
 
 
-def redistribute_key(src: Placements, dst: Placements, meta: TensorMeta) -> tuple:
-    """Everything a redistribution's cost depends on besides the (per-instance) mesh and profile."""
-    return (tuple(src), tuple(dst), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+@dataclass(frozen=True)
+class _Step:
+    """One mesh dim's transition of a move, as the primitives that run it (sizes aside)."""
+
+    mesh_dim: int
+    kinds: tuple[TransferKind, ...]
+    src_dim: int | None  # the tensor dim this mesh dim splits before the step (``None``: none)
+    dst_dim: int | None  # and after it
+
+
+_UNKNOWN = object()
 
 
 class UnsupportedRedistribution(ValueError):
@@ -393,42 +405,86 @@ class CostModel:
         self.mesh = mesh
         self.profile = profile
         self.topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
-        # Keyed by redistribute_key; mesh and profile are fixed per instance.
+        # Keyed by ``_key``; mesh and profile are fixed per instance.
+        self._ids: dict[Placements, int] = {}
+        self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}
         self._costs: dict[tuple, float] = {}
         self._matrices: dict[tuple, np.ndarray] = {}
-        self._transitions: dict[tuple, list] = {}  # DTensor's steps per placement pair (redistribute_steps)
+        self._templates: dict[tuple, tuple[_Step, ...] | None] = {}  # DTensor's steps per placement pair (``_steps``)
+        self._derived: dict[tuple, tuple[object, Any]] = {}
 
-    def _plan(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[Transfer, ...] | None:
-        key = redistribute_key(src, dst, meta)
-        if key not in self._plans:
-            self._plans[key] = self._build_plan(key[0], key[1], meta)
-        return self._plans[key]
+    def _id(self, placements: Placements) -> int:
+        """A number per distinct placement tuple: cache keys made of them hash in C, where a
+        placement's own hash runs in Python (millions of lookups on a 3-D mesh)."""
+        placements = tuple(placements)
+        found = self._ids.get(placements)
+        if found is None:
+            found = self._ids[placements] = len(self._ids)
+            self._dims.append(tuple(shard_dim(p) for p in placements))
+        return found
 
-    def _build_plan(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[Transfer, ...] | None:
-        """Map DTensor's own steps to primitives, with the re-layout copies collectives make (on
-        non-leading dims, of non-contiguous inputs); size-1 mesh dims are skipped, as DTensor does."""
+    def _key(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple:
+        """Everything a redistribution's cost depends on besides the (per-instance) mesh and profile."""
+        return (self._id(src), self._id(dst), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+
+    def _plan(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple | None = None):
+        """The move's primitives (``None`` where DTensor cannot run it); ``key``: its ``_key``."""
+        key = self._key(src, dst, meta) if key is None else key
+        found = self._plans.get(key, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._plans[key] = self._build_plan(tuple(src), tuple(dst), meta, key)
+        return found
+
+    def _steps(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple[_Step, ...] | None:
+        """DTensor's per-mesh-dim steps as primitives, without sizes: ``None`` where DTensor cannot
+        run the move. Kept per placement pair and tensor rank where its steps ignore the shape (a
+        3-D mesh prices ~126 K (pair, shape) moves but only ~27 K pairs)."""
+        pair = (key[0], key[1], len(meta.shape))
+        found = self._templates.get(pair, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._make_steps(src, dst, meta)
+            if shape_free(src, dst):
+                self._templates[pair] = found
+        return found
+
+    def _make_steps(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[_Step, ...] | None:
         if mixed_partials(src) or mixed_partials(dst):
             return None
-        transfers: list[Transfer] = []
-        mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
-        current = list(src)
-        contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
-        for step in redistribute_steps(self.mesh, src, dst, meta, self._transitions):
-            n = mesh_shape[step.mesh_dim]
-            if n == 1:  # DTensor short-cuts these before checking the transition is supported
+        steps = []
+        for step in redistribute_steps(self.mesh, src, dst, meta):
+            if self.topology.shape[step.mesh_dim] == 1:  # DTensor short-cuts these before checking the transition
                 continue
             kinds = step_kinds(step.src, step.dst)
             if kinds is None:
                 return None
-            before = local_shape(meta.shape, current, mesh_shape)
-            current[step.mesh_dim] = step.dst
-            after = local_shape(meta.shape, current, mesh_shape)
-            full = math.prod(step.logical_shape) * itemsize
-            written = -(-full // n) if shard_dim(step.dst) is not None else full
+            steps.append(_Step(step.mesh_dim, kinds, shard_dim(step.src), shard_dim(step.dst)))
+        return tuple(steps)
+
+    def _build_plan(
+        self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple
+    ) -> tuple[Transfer, ...] | None:
+        """Map DTensor's own steps to primitives, with the re-layout copies collectives make (on
+        non-leading dims, of non-contiguous inputs); size-1 mesh dims are skipped, as DTensor does."""
+        steps = self._steps(src, dst, meta, key)
+        if not steps:
+            return steps
+        transfers: list[Transfer] = []
+        mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
+        current = list(self._dims[key[0]])  # the tensor dim each mesh dim splits, as the steps go
+        contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
+        logical = logical_shapes(self.mesh, src, meta)
+        after = split_shape(meta.shape, current, mesh_shape)
+        for step in steps:
+            n = mesh_shape[step.mesh_dim]
+            before = after
+            current[step.mesh_dim] = step.dst_dim
+            after = split_shape(meta.shape, current, mesh_shape)
+            full = math.prod(logical[step.mesh_dim]) * itemsize
+            written = -(-full // n) if step.dst_dim is not None else full
             size = math.prod(before) * itemsize  # the local bytes the next primitive reads
-            for k in kinds:
-                copies = list(relayout_copies(k, step.src, step.dst, before, after))
+            for k in step.kinds:
+                copies = list(relayout_copies(k, step.src_dim, step.dst_dim, before, after))
                 # NCCL needs a contiguous input (a transposed view is not); an all-to-all's own copy may do
                 if k != "local" and not contiguous and not (copies and copies[0] is before):
                     copies.insert(0, before)
@@ -444,21 +500,29 @@ class CostModel:
 
     def redistribute_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
         """Seconds to move ``meta`` from ``src`` to ``dst`` placements; ``math.inf`` if DTensor cannot."""
-        key = redistribute_key(src, dst, meta)
-        if key not in self._costs:
-            plan = self._plan(src, dst, meta)
-            self._costs[key] = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile)
-        return self._costs[key]
+        return self._cost(src, dst, meta, self._key(src, dst, meta))
+
+    def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> float:
+        found = self._costs.get(key)
+        if found is None:
+            plan = self._plan(src, dst, meta, key)
+            found = self._costs[key] = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile)
+        return found
 
     def redistribute_costs(
         self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta
     ) -> np.ndarray:
         """``redistribute_cost`` over every pair (a ``Matrix``), cached whole: the same edge groups
         come back in every re-solve, and on a 3-D mesh one holds ~1,500 pairs."""
-        key = (tuple(srcs), tuple(dsts), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+        src_ids, dst_ids = [self._id(o) for o in srcs], [self._id(q) for q in dsts]
+        tensor = (tuple(meta.shape), tuple(meta.stride), meta.dtype)
+        key = (tuple(src_ids), tuple(dst_ids), *tensor)
         found = self._matrices.get(key)
         if found is None:
-            found = self._matrices[key] = pairwise(self.redistribute_cost)(srcs, dsts, meta)
+            rows = [
+                [self._cost(o, q, meta, (a, b, *tensor)) for q, b in zip(dsts, dst_ids)] for o, a in zip(srcs, src_ids)
+            ]
+            found = self._matrices[key] = np.array(rows, dtype=float).reshape(len(srcs), len(dsts))
             found.setflags(write=False)  # shared by every edge with this key
         return found
 
@@ -480,6 +544,15 @@ class CostModel:
         if plan is None:
             raise UnsupportedRedistribution(f"DTensor cannot redistribute {tuple(src)} -> {tuple(dst)}")
         return tuple((t.kind, t.mesh_dim) for t in plan if t.kind != "relayout")
+
+    def derived(self, key: Any, owner: object, make: Callable[[], Any]) -> Any:
+        """``make()``, worked out once per ``key`` and ``owner`` object: a value derived from this
+        model's costs and a large immutable input (a node's strategy tuple), which is matched by
+        identity because hashing it would cost as much as ``make`` (every re-solve asks again)."""
+        found = self._derived.get((key, id(owner)))
+        if found is None or found[0] is not owner:
+            found = self._derived[(key, id(owner))] = (owner, make())
+        return found[1]
 
     def ideal_seconds(self, flops: float, dtype: torch.dtype) -> float:
         """``flops`` at the peak rate of ``dtype`` on every device of the mesh at once."""

@@ -430,3 +430,30 @@ def test_every_rank_prices_an_uneven_move_alike():
     assert steps == redistribute_steps(first, src, dst, m)
     assert [s.logical_shape for s in steps] == [(4, 3), (7, 3)]
     assert CostModel(last).redistribute_cost(src, dst, m) == CostModel(first).redistribute_cost(src, dst, m)
+
+
+def test_moves_priced_together_cost_what_each_costs_alone():
+    """A cost model keeps DTensor's steps per placement pair and tensor rank, and numbers placement
+    tuples for its keys: every move it prices in a matrix, over tensors of several shapes, strides
+    and dtypes, costs (and holds at its peak) what a fresh model prices for that move alone."""
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    init_fake_world()
+    mesh = fake_mesh((4, 2, 3))
+    choices = (R, P, Shard(0), Shard(1))
+    placements = [(a, b, c) for a in choices for b in choices for c in choices]
+    tensors = [
+        meta(96, 48),
+        meta(48, 96, dtype=torch.float32),
+        meta(7, 10),  # uneven over 4, 2 and 3
+        TensorMeta(torch.Size((96, 48)), (1, 96), torch.bfloat16),  # a transposed view: moves copy it first
+    ]
+    shared = CostModel(mesh)
+    for m in tensors:
+        matrix = shared.redistribute_costs(placements, placements, m)
+        for i in range(0, len(placements), 5):
+            for j in range(0, len(placements), 3):
+                src, dst = placements[i], placements[j]
+                alone = CostModel(mesh)
+                assert matrix[i, j] == alone.redistribute_cost(src, dst, m), (src, dst, m)
+                assert shared.redistribute_peak_bytes(src, dst, m) == alone.redistribute_peak_bytes(src, dst, m)

@@ -5,7 +5,7 @@ import torch.fx as fx
 
 from autoplan.clustering import Clustering
 from autoplan.ilp import BudgetRow, FixedRows, solve_placement, undominated
-from autoplan.problem import EdgeGroup, PlacementProblem
+from autoplan.problem import EdgeGroup, PlacementProblem, _changes
 
 
 def two_units(cost_a, cost_b, edge_cost, src_label, dst_label):
@@ -72,3 +72,15 @@ def test_the_least_value_of_a_linear_sums_each_units_least_choice():
     _, vals, top, bottom = _terms(lin, {a: 0, b: 3}, kept, {})
     assert list(vals) == [3.0, 5.0, 4.0, 7.0]
     assert (top, bottom) == (12.0, 10.0)
+
+
+def test_the_tie_break_marks_exactly_the_pairs_whose_placements_differ():
+    """Found by hashing, not by comparing every pair: equal placements at different positions on
+    the two sides, and placements present on one side only."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    srcs = [(Shard(0), Replicate()), (Replicate(), Replicate()), (Partial(), Shard(1))]
+    dsts = [(Replicate(), Replicate()), (Shard(1), Shard(1)), (Shard(0), Replicate())]
+    expected = np.array([[float(o != q) for q in dsts] for o in srcs])
+    np.testing.assert_array_equal(_changes(srcs, dsts), expected)
+    assert _changes(srcs, dsts).sum() == 7

@@ -356,3 +356,24 @@ def test_a_neighbourhood_mip_around_the_fractional_columns_spares_the_full_searc
     assert free_counts and all(0 < c < model.n_integer for c in free_counts)
     exact = solve(model, lp_first=False, mip_rel_gap=1e-9).objective
     assert res.objective - exact <= 0.04 * abs(exact)
+
+
+def test_a_start_within_the_gap_stands_and_one_outside_it_gives_way(monkeypatch):
+    """A re-solve starts from the plan it may improve: when the LP bound shows the start within
+    ``mip_rel_gap`` it is kept after one completion (no rounding tried, no change of plan); a start
+    outside the gap gives way to the rounding's better point."""
+    solve_module = importlib.import_module("solvers.solve")
+    runs = []
+    real = solve_module._BACKENDS["highs"]
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda *a: runs.append(a[1]) or real(*a))
+    model, _ = multi_knapsack(n=60, k=4)
+    best = solve(model, mip_rel_gap=1e-9).x
+    poor = np.zeros(model.n_cols)
+    poor[:3] = 1.0
+    runs.clear()
+    kept = solve(model, rounding=lambda x: poor, start=best, mip_rel_gap=0.05)
+    assert runs == [False, False]  # the relaxation, then the start's completion only
+    np.testing.assert_array_equal(kept.x, best)
+    runs.clear()
+    replaced = solve(model, rounding=lambda x: best, start=poor, mip_rel_gap=0.05)
+    assert len(runs) == 3 and replaced.objective == pytest.approx(model.objective_value(best))

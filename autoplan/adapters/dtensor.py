@@ -71,20 +71,20 @@ def redistribute_steps(
     if transitions is None:
         infos = _gen_transform_infos(make_spec(mesh, src, meta), make_spec(mesh, dst, meta))
         transitions = [(i.mesh_dim, *i.src_dst_placements) for i in infos]
-        if memo is not None and _greedy(src, dst):
+        if memo is not None and shape_free(src, dst):
             memo[key] = transitions
-    shapes = _logical_shapes(mesh, src, meta)
+    shapes = logical_shapes(mesh, src, meta)
     return tuple(RedistributeStep(d, a, b, shapes[d]) for d, a, b in transitions)
 
 
-def _greedy(src: Placements, dst: Placements) -> bool:
+def shape_free(src: Placements, dst: Placements) -> bool:
     """Whether DTensor plans this move with its greedy search, whose transitions ignore the shape
     (its graph search, taken for strided shards or when forced, weighs bytes)."""
     forced = getattr(_dtensor_redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None)
     return not forced and not any(isinstance(p, _StridedShard) for p in (*src, *dst))
 
 
-def _logical_shapes(mesh: DeviceMesh, src: Placements, meta: TensorMeta) -> list[tuple[int, ...]]:
+def logical_shapes(mesh: DeviceMesh, src: Placements, meta: TensorMeta) -> list[tuple[int, ...]]:
     """The tensor's shape as each mesh dim's step sees it: split by ``src``'s shards on the mesh
     dims before it (the first, largest shard: DTensor's rule at coordinate 0)."""
     shapes = [tuple(meta.shape)]
