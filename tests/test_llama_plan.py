@@ -136,3 +136,35 @@ def test_unpinned_optimum_beats_hand_written_plans(llama, pins, budget):
             if __import__("fnmatch").fnmatchcase(fqn, target):
                 assert pl == placements, fqn
     assert free.cost.total <= pinned.cost.total * (1 + 1e-9)
+
+
+def test_boundary_re_solves_run_at_once_and_redo_what_a_kept_one_changes(monkeypatch):
+    """The boundary layers are re-solved against the main plan at the same time; when one is kept,
+    the ones after it are solved again against the new plan, as one after another would. The first
+    re-solve is made to look like a gain here (its true cost is then reported, with a warning)."""
+    import autoplan.planner as planner_module
+
+    real = planner_module.Planner._refine
+    calls = []
+
+    def refine(self, request, clustering, group, *rest):
+        split, re = real(self, request, clustering, group, *rest)
+        calls.append((group, clustering.classes))
+        if group == ("layers.0",):
+            faked = dataclasses.replace(re.solved, objective_without_tie_break=0.0)
+            re = dataclasses.replace(re, solved=faked)
+        return split, re
+
+    monkeypatch.setattr(planner_module.Planner, "_refine", refine)
+    with pytest.warns(UserWarning, match="differs from the expanded plan"):
+        plan, _, _ = plan_llama(memory_fraction=None, n_layers=4)
+    first, last = plan.ilp["refinements"]
+    assert first["kept"] and first["layers"] == ["layers.0"] and last["layers"] == ["layers.3"]
+    tied = (("layers.0", "layers.1", "layers.2", "layers.3"),)  # the main solve's classes
+    assert sorted(calls) == sorted(
+        [
+            (("layers.0",), tied),
+            (("layers.3",), tied),  # ahead of time, against the main plan: thrown away
+            (("layers.3",), (("layers.1", "layers.2", "layers.3"),)),  # against the plan layers.0's kept
+        ]
+    )
