@@ -415,6 +415,7 @@ class CostModel:
         self._matrices: dict[tuple, np.ndarray] = {}
         self._templates: dict[tuple, tuple[_Step, ...] | None] = {}  # DTensor's steps per placement pair (``_steps``)
         self._derived: dict[tuple, tuple[object, Any]] = {}
+        self._searches: dict[tuple, Any] = {}  # what DTensor's searches reuse (``redistribute_steps``'s memo)
 
     def _id(self, placements: Placements) -> int:
         """A number per distinct placement tuple: cache keys made of them hash in C, where a
@@ -457,7 +458,7 @@ class CostModel:
         if mixed_partials(src) or mixed_partials(dst):
             return None
         steps = []
-        for step in redistribute_steps(self.mesh, src, dst, meta):
+        for step in redistribute_steps(self.mesh, src, dst, meta, self._searches):
             if self.topology.shape[step.mesh_dim] == 1:  # DTensor short-cuts these before checking the transition
                 continue
             kinds = step_kinds(step.src, step.dst)
