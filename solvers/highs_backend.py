@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import threading
 from time import perf_counter
 from typing import Any
 
@@ -63,23 +62,13 @@ def _new_highs(highspy: Any, opts: SolverOptions) -> Any:
     return h
 
 
-class _Pool:
-    """HiGHS's thread pool is process-global and fixed at first use; a different explicit thread
-    count makes run() fail unless the pool is rebuilt first. Rebuilding it under a run in another
-    thread would pull the pool from under it, so it is rebuilt only when the count changes (runs in
-    threads at once must ask for the same count), and the count it has is tracked here, beside it."""
-
-    lock = threading.Lock()
-    threads: int | None = None
-
-
 def _run(highspy: Any, h: Any, opts: SolverOptions) -> None:
-    if opts.threads is not None:
-        with _Pool.lock:
-            if _Pool.threads != opts.threads:
-                highspy.Highs.resetGlobalScheduler(True)
-                _Pool.threads = opts.threads
-    h.run()
+    if h.run() == highspy.HighsStatus.kError and opts.threads is not None:
+        # HiGHS's thread pool is process-global and fixed at first use: a run asking for another
+        # thread count is refused before any work until the pool is rebuilt. It is rebuilt only
+        # then, never under a solve running in another thread (runs at once ask for one count).
+        highspy.Highs.resetGlobalScheduler(True)
+        h.run()
     if h.getModelStatus() == highspy.HighsModelStatus.kUnboundedOrInfeasible:
         # Presolve may stop without telling which; the simplex on the full model decides.
         h.setOptionValue("presolve", "off")
