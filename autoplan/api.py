@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from autoplan import memory, mismatch, recompute
 from autoplan.attention import check_option as check_attention_option
-from autoplan.clustering import Clustering, find_repeats
+from autoplan.clustering import Clustering, find_repeats, unclustered
 from autoplan.compile import RegionStats, compile_regions
 from autoplan.constraints import Pin, placement_error
 from autoplan.costs import CostModel
@@ -219,10 +219,7 @@ class AutoParallel:
         return None
 
     def _cluster(self) -> Clustering:
-        if self.cluster_layers:
-            return find_repeats(self.traced)
-        nodes = list(self.traced.gm.graph.nodes)
-        return Clustering({n: n for n in nodes}, {n: 1 for n in nodes}, (), {n: "" for n in nodes})
+        return find_repeats(self.traced) if self.cluster_layers else unclustered(self.traced)
 
     def _require_traced(self) -> TracedGraph:
         if self.traced is None:

@@ -111,6 +111,16 @@ def layer_instances(tg: TracedGraph) -> dict[fx.Node, tuple[str, str]]:
     return {n: instance_of(paths[n]) or ("", "") for n in tg.gm.graph.nodes if n.op != "output"}
 
 
+def unclustered(tg: TracedGraph) -> Clustering:
+    """Every node deciding on its own, each still in its layer instance: overlap segments and
+    recompute options are per layer whether or not identical layers share decisions."""
+    nodes = list(tg.gm.graph.nodes)
+    layers = layer_instances(tg)
+    return Clustering(
+        {n: n for n in nodes}, dict.fromkeys(nodes, 1), (), {n: layers.get(n, ("", ""))[0] for n in nodes}
+    )
+
+
 def find_repeats(tg: TracedGraph) -> Clustering:
     by_instance: dict[str, list[fx.Node]] = defaultdict(list)
     pattern_of: dict[str, str] = {}
