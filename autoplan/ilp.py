@@ -293,6 +293,7 @@ def solve_placement(
     start_recompute: tuple[str, ...] = (),
     polish_s: float = POLISH_S,
     seed_only: bool = False,
+    keep_start: bool = False,
 ) -> UnitChoice:
     """The cheapest strategy per unit and recompute options; ``start`` (a strategy per unit, e.g. an
     earlier plan's, with the options ``start_recompute`` on) seeds the search. Without a start and
@@ -300,7 +301,8 @@ def solve_placement(
     at most ``polish_s`` to improve on it (0: the trial's plan is returned as it is); when no trial
     finds a plan, the full MIP searches, or with ``seed_only`` ``NoSeedError`` is raised. With
     ``smallest_peak`` the peak rows' caps give way to one variable ``P`` the solve minimises
-    instead (step time only breaks ties): the least peak any plan reaches, in ``UnitChoice.peak``."""
+    instead (step time only breaks ties): the least peak any plan reaches, in ``UnitChoice.peak``.
+    ``keep_start``: see ``solvers.solve``."""
     weight = 1e-9 if smallest_peak else 1.0
     t0 = time.perf_counter()
     seeded = None
@@ -370,6 +372,7 @@ def solve_placement(
         rounding=one_hot,
         start=seed,
         diagnose=diagnose,
+        keep_start=keep_start,
     )
     t2 = time.perf_counter()
     x = result.x

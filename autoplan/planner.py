@@ -139,10 +139,11 @@ class Planner:
         polish_s: float = POLISH_S,
         seed_only: bool = False,
         least: dict[fx.Node, float] | None = None,
+        keep_start: bool = False,
     ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
         """Build and solve the ILP for one clustering; returns the solve and every node's strategy
         (``diagnose``: name the conflicting constraints of an infeasible one; ``polish_s``: see
-        ``solve_placement``; ``least``: see ``build_problem``)."""
+        ``solve_placement``; ``least``: see ``build_problem``; ``keep_start``: see ``solvers.solve``)."""
         problem = build_problem(
             self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers, least
         )
@@ -164,6 +165,7 @@ class Planner:
             start_recompute=start_recompute,
             polish_s=polish_s,
             seed_only=seed_only,
+            keep_start=keep_start,
         )
         return problem, solved, expand_choice(self.tg, problem, solved.choice)
 
@@ -358,7 +360,16 @@ class Planner:
 
         def solve_with(steps):
             return self._solve(
-                pinned, split, strategies, cost_model, steps, time_limit, start=chosen, diagnose=False, least=own_least
+                pinned,
+                split,
+                strategies,
+                cost_model,
+                steps,
+                time_limit,
+                start=chosen,
+                diagnose=False,
+                least=own_least,
+                keep_start=True,
             )
 
         return split, self._solve_within_peak(request, solve_with, steps)

@@ -63,10 +63,12 @@ def _new_highs(highspy: Any, opts: SolverOptions) -> Any:
 
 
 def _run(highspy: Any, h: Any, opts: SolverOptions) -> None:
-    if h.run() == highspy.HighsStatus.kError and opts.threads is not None:
+    refused = h.run() == highspy.HighsStatus.kError and h.getModelStatus() == highspy.HighsModelStatus.kNotset
+    if refused and opts.threads is not None:
         # HiGHS's thread pool is process-global and fixed at first use: a run asking for another
-        # thread count is refused before any work until the pool is rebuilt. It is rebuilt only
-        # then, never under a solve running in another thread (runs at once ask for one count).
+        # thread count is refused before any work (no model status) until the pool is rebuilt. It
+        # is rebuilt only then, never under a solve running in another thread (runs at once ask
+        # for one count), nor after a solve that failed on its own.
         highspy.Highs.resetGlobalScheduler(True)
         h.run()
     if h.getModelStatus() == highspy.HighsModelStatus.kUnboundedOrInfeasible:

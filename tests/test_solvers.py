@@ -359,9 +359,10 @@ def test_a_neighbourhood_mip_around_the_fractional_columns_spares_the_full_searc
 
 
 def test_a_start_within_the_gap_stands_and_one_outside_it_gives_way(monkeypatch):
-    """A re-solve starts from the plan it may improve: when the LP bound shows the start within
-    ``mip_rel_gap`` it is kept after one completion (no rounding tried, no change of plan); a start
-    outside the gap gives way to the rounding's better point."""
+    """A re-solve starts from the plan it may improve (``keep_start``): when the LP bound shows the
+    start within ``mip_rel_gap`` it is kept after one completion (no rounding tried, no change of
+    plan); a start outside the gap gives way to the rounding's better point. Without
+    ``keep_start`` a start within the gap still loses to a better rounding."""
     solve_module = importlib.import_module("solvers.solve")
     runs = []
     real = solve_module._BACKENDS["highs"]
@@ -371,9 +372,17 @@ def test_a_start_within_the_gap_stands_and_one_outside_it_gives_way(monkeypatch)
     poor = np.zeros(model.n_cols)
     poor[:3] = 1.0
     runs.clear()
-    kept = solve(model, rounding=lambda x: poor, start=best, mip_rel_gap=0.05)
+    kept = solve(model, rounding=lambda x: poor, start=best, mip_rel_gap=0.05, keep_start=True)
     assert runs == [False, False]  # the relaxation, then the start's completion only
     np.testing.assert_array_equal(kept.x, best)
     runs.clear()
-    replaced = solve(model, rounding=lambda x: best, start=poor, mip_rel_gap=0.05)
+    replaced = solve(model, rounding=lambda x: best, start=poor, mip_rel_gap=0.05, keep_start=True)
     assert len(runs) == 3 and replaced.objective == pytest.approx(model.objective_value(best))
+    near = best.copy()
+    near[np.flatnonzero(best)[0]] = 0.0  # the optimum less one item: within 6% of the bound
+    kept = solve(model, rounding=lambda x: best, start=near, mip_rel_gap=0.06, keep_start=True)
+    assert kept.objective == pytest.approx(model.objective_value(near))
+    assert model.objective_value(near) > model.objective_value(best)
+    # without ``keep_start`` (a user's start, a capped plan's polish) the rounding is tried too
+    tried = solve(model, rounding=lambda x: best, start=near, mip_rel_gap=0.06)
+    assert tried.objective == pytest.approx(model.objective_value(best))
