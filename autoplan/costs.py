@@ -395,6 +395,11 @@ class _Step:
 _UNKNOWN = object()
 
 
+def _tensor_key(meta: TensorMeta) -> tuple:
+    """What a move's cost reads of the tensor it moves."""
+    return (tuple(meta.shape), tuple(meta.stride), meta.dtype)
+
+
 class UnsupportedRedistribution(ValueError):
     """DTensor has no way to perform this placement change."""
 
@@ -432,9 +437,11 @@ class CostModel:
 
     def _key(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple:
         """Everything a redistribution's cost depends on besides the (per-instance) mesh and profile."""
-        return (self._id(src), self._id(dst), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+        return (self._id(src), self._id(dst), *_tensor_key(meta))
 
-    def _plan(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple | None = None):
+    def _plan(
+        self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple | None = None
+    ) -> tuple[Transfer, ...] | None:
         """The move's primitives (``None`` where DTensor cannot run it); ``key``: its ``_key``."""
         key = self._key(src, dst, meta) if key is None else key
         found = self._plans.get(key, _UNKNOWN)
@@ -521,7 +528,7 @@ class CostModel:
         """``redistribute_cost`` over every pair (a ``Matrix``), cached whole: the same edge groups
         come back in every re-solve, and on a 3-D mesh one holds ~1,500 pairs."""
         src_ids, dst_ids = [self._id(o) for o in srcs], [self._id(q) for q in dsts]
-        tensor = (tuple(meta.shape), tuple(meta.stride), meta.dtype)
+        tensor = _tensor_key(meta)  # each pair's ``_key`` is (src id, dst id, *tensor)
         key = (tuple(src_ids), tuple(dst_ids), *tensor)
         found = self._matrices.get(key)
         if found is None:
