@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
+from autoplan.certify import Layout, certifier
 from autoplan.problem import Linear, PlacementProblem
 from autoplan.strategies import Strategy
 from solvers import InfeasibleError, ModelBuilder, SolveResult, SolverTimeoutError, solve
@@ -36,6 +37,10 @@ TIE_BREAK = 1e-3
 _TRIAL_S = 10.0
 _SEED_S = 90.0
 POLISH_S = 30.0
+# Rows above which a re-solve first tries ``autoplan.certify``'s bound on its start: below, its own
+# LP is the cheaper proof (8B on 16x8: 6.4 K rows, the LP ~0.3 s, the ascent 0.4-0.5 s); above, the
+# dual simplex grows fast (8B on 8x4x4: 24 K rows, 9-10 s) while the ascent stays under 0.5 s.
+CERTIFY_MIN_ROWS = 10_000
 # HiGHS's threads, fixed so that a plan does not depend on the planning host's core count
 SOLVER_THREADS = 2
 
@@ -160,11 +165,11 @@ def _edge_rows(
     offsets: dict[fx.Node, int],
     kept: dict[fx.Node, np.ndarray],
     weight: float = 1.0,
-) -> tuple[int, np.ndarray, list[tuple]]:
-    """Edge variables and their marginal rows; returns (count, true cost per edge variable, and per
-    group its variables' columns and placement pairs)."""
+) -> tuple[int, np.ndarray, list[tuple], list[tuple[np.ndarray, np.ndarray]]]:
+    """Edge variables and their marginal rows; returns (count, true cost per edge variable, per
+    group its variables' columns and placement pairs, and per group its producer and consumer rows)."""
     n_edge = 0
-    true_costs, columns = [], []
+    true_costs, columns, marginals = [], [], []
     for g in problem.edges:
         # only placement pairs some kept strategy on each side can produce get a variable
         used_o = np.isin(np.arange(g.cost.shape[0]), g.src_label[kept[g.src]])
@@ -183,8 +188,9 @@ def _edge_rows(
         rows = np.concatenate([oi, n_o + qi, g.src_label[kept[g.src]], n_o + g.dst_label[kept[g.dst]]])
         cols = np.concatenate([e, e, src_x, dst_x])
         vals = np.concatenate([np.ones(2 * len(oi)), -np.ones(len(src_x) + len(dst_x))])
-        b.add_rows(rows, cols, vals, lo=np.zeros(n_o + n_q), hi=np.zeros(n_o + n_q))
-    return n_edge, np.concatenate(true_costs) if true_costs else np.zeros(0), columns
+        at = b.add_rows(rows, cols, vals, lo=np.zeros(n_o + n_q), hi=np.zeros(n_o + n_q))
+        marginals.append((at[:n_o], at[n_o:]))
+    return n_edge, np.concatenate(true_costs) if true_costs else np.zeros(0), columns, marginals
 
 
 def _terms(lin: Linear, offsets, kept, edge_columns) -> tuple[np.ndarray, np.ndarray, float, float]:
@@ -231,16 +237,20 @@ def _recompute_rows(
     return r, w
 
 
-def _overlap_rows(b: ModelBuilder, problem: PlacementProblem, terms, weight: float = 1.0) -> np.ndarray:
+def _overlap_rows(
+    b: ModelBuilder, problem: PlacementProblem, terms, weight: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
     """Per overlap segment, ``h <= budget`` and ``h <= hideable(x, e)``, with ``-h`` in the
-    objective: the solve pushes ``h`` up to the lesser of the two. Returns the ``h`` columns."""
+    objective: the solve pushes ``h`` up to the lesser of the two. Returns the ``h`` columns and
+    the segments' rows."""
     budgets = [seg.budget * SCALE for seg in problem.overlap]
     h = b.add_vars(len(problem.overlap), cost=-weight, lb=0.0, ub=budgets, integer=False)  # microseconds
+    rows = []
     for col, seg in zip(h, problem.overlap):
         cols, vals, _, _ = terms(seg.hideable)
         row = np.zeros(len(cols) + 1, dtype=np.int64)
-        b.add_rows(row, np.r_[col, cols], np.r_[1.0, -vals * SCALE], lo=-np.inf, hi=0.0)
-    return h
+        rows.append(b.add_rows(row, np.r_[col, cols], np.r_[1.0, -vals * SCALE], lo=-np.inf, hi=0.0)[0])
+    return h, np.array(rows, dtype=np.int64)
 
 
 def _recompute_bytes(b: ModelBuilder, budget: BudgetRow, r: np.ndarray, terms) -> tuple[list, list]:
@@ -279,6 +289,23 @@ def _start_vector(
     return x
 
 
+def _complete(x: np.ndarray, problem: PlacementProblem, layout: Layout, model) -> None:
+    """Fill in ``x``'s (a start's strategy columns) edge pairs and hidden seconds, each the one
+    value the choice leaves it: the pair both sides' placements name, the lesser of each segment's
+    budget and what its moves hide (``solvers.solve`` then needs no completion LP)."""
+    for g, (cols, oi, qi) in zip(problem.edges, layout.edges):
+        a = layout.offsets[g.src] + np.arange(len(layout.kept[g.src]))
+        b = layout.offsets[g.dst] + np.arange(len(layout.kept[g.dst]))
+        o = g.src_label[layout.kept[g.src][np.argmax(x[a])]]
+        q = g.dst_label[layout.kept[g.dst][np.argmax(x[b])]]
+        x[cols[(oi == o) & (qi == q)]] = 1.0
+    for row, h in zip(layout.overlap, layout.hidden):
+        lo, hi = model.csr_start[row], model.csr_start[row + 1]
+        cols, vals = model.csr_col[lo:hi], model.csr_val[lo:hi]
+        hideable = -float(vals[cols != h] @ x[cols[cols != h]])
+        x[h] = min(max(hideable, 0.0), float(model.col_ub[h]))
+
+
 def solve_placement(
     problem: PlacementProblem,
     fixed: list[FixedRows],
@@ -302,7 +329,9 @@ def solve_placement(
     finds a plan, the full MIP searches, or with ``seed_only`` ``NoSeedError`` is raised. With
     ``smallest_peak`` the peak rows' caps give way to one variable ``P`` the solve minimises
     instead (step time only breaks ties): the least peak any plan reaches, in ``UnitChoice.peak``.
-    ``keep_start``: see ``solvers.solve``."""
+    ``keep_start``: see ``solvers.solve``; on a large model (``CERTIFY_MIN_ROWS``) the start is
+    first offered to ``autoplan.certify``'s bound, which keeps it without the LP when it proves
+    it within ``mip_rel_gap``."""
     weight = 1e-9 if smallest_peak else 1.0
     t0 = time.perf_counter()
     seeded = None
@@ -326,10 +355,10 @@ def solve_placement(
         unit_costs = weight * SCALE * problem.unit_cost[u][kept[u]]
         offsets[u] = int(b.add_vars(len(kept[u]), cost=unit_costs, integer=True)[0])
     _one_hot_rows(b, offsets, kept)
-    n_edge, edge_costs, edge_columns = _edge_rows(b, problem, offsets, kept, weight)
+    n_edge, edge_costs, edge_columns, marginals = _edge_rows(b, problem, offsets, kept, weight)
     terms = lambda lin: _terms(lin, offsets, kept, edge_columns)  # noqa: E731
     r, w = _recompute_rows(b, list(options), terms, weight) if options else (np.zeros(0, np.int64),) * 2
-    hidden = _overlap_rows(b, problem, terms, weight)
+    hidden, overlap_rows = _overlap_rows(b, problem, terms, weight)
     peak = b.add_vars(1, cost=1.0, lb=0.0, ub=np.inf, integer=False) if smallest_peak else None
 
     for f in fixed:
@@ -360,9 +389,13 @@ def solve_placement(
             out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + len(kept[u])]))] = 1.0
         return out
 
+    layout = Layout(problem.units, kept, offsets, edge_columns, marginals, overlap_rows, hidden)
     seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
     if seed is not None:
         seed[[col for o, col in zip(options, r) if o.name in start_recompute]] = 1.0
+    certified = keep_start and seed is not None and model.n_rows > CERTIFY_MIN_ROWS
+    if certified:
+        _complete(seed, problem, layout, model)
     result = solve(
         model,
         backend=backend,
@@ -373,6 +406,7 @@ def solve_placement(
         start=seed,
         diagnose=diagnose,
         keep_start=keep_start,
+        certify=certifier(problem, layout, model, mip_rel_gap) if certified else None,
     )
     t2 = time.perf_counter()
     x = result.x

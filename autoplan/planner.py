@@ -338,7 +338,9 @@ class Planner:
         Every other repeated layer keeps its choice (one strategy left), so the ILP is the size of
         one layer plus the nodes outside repeated layers, which are free to meet the group halfway.
         Recompute choices stay as the main solve made them. Under a peak cap the re-solve is bounded
-        in rounds like the main solve. ``least``: each base representative's fastest compute (the
+        in rounds like the main solve. The start is kept without an LP when a bound from the
+        re-solve's structure proves it within ``mip_rel_gap`` (``autoplan.certify``): a gain under
+        the gap the user allows is not looked for. ``least``: each base representative's fastest compute (the
         fixed layers' own strategies no longer show it). Returns the split clustering and the solve.
         """
         split = untie(clustering, group)
@@ -416,8 +418,9 @@ class Planner:
                 return None
 
         # Every group is re-solved against the main plan at once (HiGHS runs without the GIL: on a
-        # 3-D mesh each re-solve is a ~9 s LP); a group after one whose re-solve is kept is solved
-        # again against the new plan, so the outcome is the one-after-another one.
+        # 3-D mesh a re-solve whose start the certificate misses is a ~9 s LP); a group after one
+        # whose re-solve is kept is solved again against the new plan, so the outcome is the
+        # one-after-another one.
         with concurrent.futures.ThreadPoolExecutor(max(1, len(self.clustering.boundary))) as pool:
             ahead = [pool.submit(refine, g, clustering, chosen, steps) for g in self.clustering.boundary]
         changed = False

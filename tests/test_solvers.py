@@ -386,3 +386,100 @@ def test_a_start_within_the_gap_stands_and_one_outside_it_gives_way(monkeypatch)
     # without ``keep_start`` (a user's start, a capped plan's polish) the rounding is tried too
     tried = solve(model, rounding=lambda x: best, start=near, mip_rel_gap=0.06)
     assert tried.objective == pytest.approx(model.objective_value(best))
+
+
+def _pairwise_model(seed: int = 0, pin: bool = True, budget: float | None = 5.0):
+    """A placement-like model: 4 units of 3 binary choices, a chain of 3 edges priced by pair
+    (continuous pair columns held to the product by marginal rows), a pin and a weight budget."""
+    rng = np.random.default_rng(seed)
+    b = ModelBuilder("pairwise")
+    x = b.add_vars(12, cost=rng.uniform(0, 10, 12)).reshape(4, 3)
+    b.add_rows(np.repeat(np.arange(4), 3), x.ravel(), 1.0, 1.0, 1.0)
+    for u in range(3):
+        e = b.add_vars(9, cost=rng.uniform(0, 10, 9), integer=False).reshape(3, 3)
+        rows = np.r_[np.repeat(np.arange(3), 3), 3 + np.tile(np.arange(3), 3), np.arange(3), 3 + np.arange(3)]
+        cols = np.r_[e.ravel(), e.ravel(), x[u], x[u + 1]]
+        b.add_rows(rows, cols, np.r_[np.ones(18), -np.ones(6)], 0.0, 0.0)
+    if pin:
+        b.add_rows([0, 0], x[0, :2], 1.0, 1.0, 1.0, group="pin")
+    if budget is not None:
+        weight = np.array([1.0, 2.0, 4.0])
+        b.add_rows(np.zeros(12, dtype=int), x.ravel(), np.tile(weight, 4), -np.inf, budget, group="budget")
+    return b.build(), x
+
+
+def _lp_duals(model):
+    import highspy
+
+    from solvers.highs_backend import _highs_lp
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.passModel(_highs_lp(highspy, model))
+    h.run()
+    return h.getInfo().objective_function_value, np.asarray(h.getSolution().row_dual)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_multipliers_bound_the_optimum_from_below_and_the_lps_reach_it(seed):
+    from solvers.bound import lagrangian_bound
+
+    model, _ = _pairwise_model(seed)
+    optimum = solve(model, mip_rel_gap=1e-9).objective
+    lp, duals = _lp_duals(model)
+    assert lagrangian_bound(model, duals) == pytest.approx(lp, rel=1e-9)
+    rng = np.random.default_rng(seed)
+    for scale in (0.1, 1.0, 10.0, 100.0):
+        for _ in range(20):
+            y = rng.normal(0, scale, model.n_rows)
+            assert lagrangian_bound(model, y) <= lp + 1e-9 * abs(lp)
+    assert lp <= optimum + 1e-9
+
+
+def test_tightening_holds_at_zero_only_what_no_feasible_point_uses():
+    """Off the pin (unit 0 must take choice 0 or 1) and too heavy for the budget (weights 1, 2, 4
+    against 5 over four units: a 4 leaves 1 for the other three, a 2 leaves 3): exactly what a
+    brute force over all 81 choices never sets."""
+    from solvers.bound import tightened
+
+    model, x = _pairwise_model(pin=True, budget=5.0)
+    closed = tightened(model).col_ub == 0
+    weight = np.array([1.0, 2.0, 4.0])
+    used = np.zeros(12, dtype=bool)
+    for choice in itertools.product(range(3), repeat=4):
+        if choice[0] < 2 and weight[list(choice)].sum() <= 5.0:
+            used[[x[u, c] for u, c in enumerate(choice)]] = True
+    assert not np.any(closed[:12] & used[x.ravel()])
+    assert np.array_equal(closed[x.ravel()], ~used[x.ravel()])
+    # pair columns whose choices are all held at 0 are held there too, and none a choice may use
+    assert closed[12:].any() and (tightened(model).col_ub[12:] <= model.col_ub[12:]).all()
+
+
+def test_a_start_the_certificate_covers_is_kept_without_the_lp(monkeypatch):
+    """``certify`` (a bound worked out without the LP) given the completed start: within the gap,
+    the start stands after its completion alone (none when the start sets every column feasibly);
+    short of it, the LP runs as before."""
+    solve_module = importlib.import_module("solvers.solve")
+    runs = []
+    real = solve_module._BACKENDS["highs"]
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda *a: runs.append(a[1]) or real(*a))
+    model, _ = _pairwise_model(seed=1)
+    best = solve(model, mip_rel_gap=1e-9)
+    seen = []
+
+    def certify(x, objective):
+        seen.append(objective)
+        return objective * (1 - 0.005)
+
+    choices = np.where(model.integer, best.x, 0.0)  # the pair columns left for the completion
+    runs.clear()
+    kept = solve(model, start=choices, mip_rel_gap=0.01, keep_start=True, certify=certify)
+    assert runs == [False] and seen == [pytest.approx(best.objective)]
+    assert kept.status is SolveStatus.FEASIBLE and kept.gap == pytest.approx(0.005)
+    np.testing.assert_array_equal(kept.x, best.x)
+    runs.clear()
+    assert solve(model, start=best.x, mip_rel_gap=0.01, keep_start=True, certify=certify).gap == kept.gap
+    assert runs == []  # a whole feasible start is its own completion
+    short = solve(model, start=choices, mip_rel_gap=0.001, keep_start=True, certify=certify)
+    assert runs[:2] == [False, False] and short.objective == pytest.approx(best.objective)
+    assert short.gap <= 0.001
