@@ -29,7 +29,7 @@ from solvers.result import relative_gap
 
 # Sweeps over every edge group at most; the bound is checked after every ``_CHECK`` of them and the
 # ascent stops when a check certifies the start or gains less than ``_STALL`` of the objective.
-MAX_SWEEPS = 60
+MAX_SWEEPS = 150
 _CHECK = 5
 _STALL = 1e-5
 _CAP = 1e9  # a multiplier's largest magnitude (microseconds): a label no pair can take is priced out
