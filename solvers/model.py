@@ -80,16 +80,18 @@ class LinearModel:
         ub = np.where(columns, values, self.col_ub)
         return replace(self, col_lb=_frozen(lb, np.float64), col_ub=_frozen(ub, np.float64))
 
-    def near(self, columns: np.ndarray, hops: int) -> np.ndarray:
+    def near(self, columns: np.ndarray, hops: int, widest: int | None = None) -> np.ndarray:
         """The columns within ``hops`` steps of ``columns``, a step going from a column to every
-        column that shares a row with it (a mask over columns)."""
+        column that shares a row with it (a mask over columns); with ``widest``, not through rows
+        of more entries than that."""
         entry_col = np.repeat(np.arange(self.n_cols), np.diff(self.csc_start))
         entry_row = np.repeat(np.arange(self.n_rows), np.diff(self.csr_start))
+        narrow = np.diff(self.csr_start) <= (self.n_cols if widest is None else widest)
         out = np.asarray(columns, dtype=bool).copy()
         for _ in range(hops):
             rows = np.zeros(self.n_rows, dtype=bool)
             rows[self.csc_row[out[entry_col]]] = True
-            out[self.csr_col[rows[entry_row]]] = True
+            out[self.csr_col[(rows & narrow)[entry_row]]] = True
         return out
 
     def feasibility_model(self, active_groups: Iterable[str]) -> LinearModel:

@@ -30,6 +30,12 @@ _BACKENDS: dict[str, Backend] = {"highs": solve_highs, "cbc": solve_cbc}
 INTEGRALITY_TOL = 1e-6
 # the column-row-column steps a neighbourhood MIP reaches out from the LP's fractional columns
 NEIGHBOURHOOD_HOPS = (2, 4)
+# A step goes only through rows of at most this many times the mean row's entries: a dense row (a
+# layer's overlap budget, a memory cap) ties every column of a layer together, and stepping through
+# it frees the whole layer at once. On 8B's 8x4x4 ILP 4 steps free 2,696 integer columns through
+# them and 1,359 without, whose MIP is as good for the gap: 0.46% above the bound in 3.0 s, against
+# 0.37% in 5.8 s.
+DENSE_ROW = 10
 
 
 def _backend_name(backend: str) -> str:
@@ -199,9 +205,10 @@ def _neighbourhoods(model: LinearModel, fractional: np.ndarray) -> list[np.ndarr
     """The integer columns a neighbourhood MIP leaves free: the fractional ones, then those within
     ``NEIGHBOURHOOD_HOPS`` steps of them; growing, and never all of them (that is the full MIP)."""
     out: list[np.ndarray] = []
+    widest = DENSE_ROW * max(1, model.n_nonzeros // max(1, model.n_rows))
     reach, done = fractional, 0  # every column reached, continuous ones included: paths run through them
     for hops in (0, *NEIGHBOURHOOD_HOPS):
-        reach, done = model.near(reach, hops - done), hops  # each ring grows from the last one
+        reach, done = model.near(reach, hops - done, widest), hops  # each ring grows from the last one
         free = reach & model.integer
         if np.array_equal(free, model.integer) or (out and np.array_equal(free, out[-1])):
             break

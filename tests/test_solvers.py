@@ -483,3 +483,22 @@ def test_a_start_the_certificate_covers_is_kept_without_the_lp(monkeypatch):
     short = solve(model, start=choices, mip_rel_gap=0.001, keep_start=True, certify=certify)
     assert runs[:2] == [False, False] and short.objective == pytest.approx(best.objective)
     assert short.gap <= 0.001
+
+
+def test_neighbourhoods_grow_along_sparse_rows_not_through_a_dense_one():
+    """A chain of pair rows under one row over every column (as an overlap budget spans a layer):
+    stepping through the dense row would free everything at once; the neighbourhoods grow a few
+    columns along the chain instead."""
+    solve_module = importlib.import_module("solvers.solve")
+    b = ModelBuilder("chain")
+    x = b.add_vars(40)
+    for i in range(39):
+        b.add_rows([0, 0], [x[i], x[i + 1]], 1.0, -np.inf, 1.0)
+    b.add_rows(np.zeros(40, dtype=int), x, 1.0, -np.inf, 20.0)
+    model = b.build()
+    first = np.zeros(40, dtype=bool)
+    first[0] = True
+    assert model.near(first, 2).all()
+    assert np.flatnonzero(model.near(first, 2, widest=2)).tolist() == [0, 1, 2]
+    rings = solve_module._neighbourhoods(model, first)
+    assert [np.flatnonzero(r).tolist() for r in rings] == [[0], [0, 1, 2], [0, 1, 2, 3, 4]]
