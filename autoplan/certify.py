@@ -11,7 +11,8 @@ Lagrangian bound (``solvers.bound``); these are found from the model's structure
   at a time, its two sides' multipliers split the group's best pairing evenly between its two
   units (MPLP's edge step, Globerson and Jaakkola, NIPS 2007), which never lowers the bound.
 
-A few dozen sweeps take the bound to within a fraction of a percent of the LP's.
+Ten to a hundred sweeps (0.2-2.5 s on a 3-D mesh) take the bound within the 1% gap of the start
+where its LP takes 9-10 s.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ _CAP = 1e9  # a multiplier's largest magnitude (microseconds): a label no pair c
 class Layout:
     """Where a placement problem's parts sit in its built model."""
 
-    units: list[fx.Node]
     kept: dict[fx.Node, np.ndarray]  # per unit, the strategies that have a column
     offsets: dict[fx.Node, int]  # per unit, its first column
     edges: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # per group: columns, producer and consumer labels
@@ -84,10 +84,14 @@ def _slackness(model: LinearModel, layout: Layout, x: np.ndarray) -> np.ndarray:
 
 
 def _ascent(problem: PlacementProblem, layout: Layout, model: LinearModel, y, objective: float, gap: float) -> float:
+    """The best bound of ``y`` with its edge rows' multipliers raised sweep by sweep (the others as
+    given): a unit's belief is its strategies' reduced costs less the choice row, each group's
+    step reads its two units' beliefs without its own messages, per label, and splits the best
+    pairing of each label evenly between them (every pair's reduced cost stays >= 0)."""
     entry_col = np.repeat(np.arange(model.n_cols), np.diff(model.csc_start))
     d0 = model.cost - np.bincount(entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
     belief = {}
-    for u in layout.units:
+    for u in problem.units:
         cols = layout.offsets[u] + np.arange(len(layout.kept[u]))
         belief[u] = np.where(model.col_ub[cols] > 0, d0[cols], np.inf)
     sides = [(g.src, g.dst) for g in problem.edges]

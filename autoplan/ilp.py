@@ -389,7 +389,7 @@ def solve_placement(
             out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + len(kept[u])]))] = 1.0
         return out
 
-    layout = Layout(problem.units, kept, offsets, edge_columns, marginals, overlap_rows, hidden)
+    layout = Layout(kept, offsets, edge_columns, marginals, overlap_rows, hidden)
     seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
     if seed is not None:
         seed[[col for o, col in zip(options, r) if o.name in start_recompute]] = 1.0

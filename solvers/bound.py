@@ -5,10 +5,10 @@ For a box-bounded model, every row multiplier ``y`` gives the Lagrangian bound
     L(y) = sum_i (y_i lo_i if y_i > 0 else y_i hi_i) + sum_j min(d_j lb_j, d_j ub_j) + constant,
     d = c - A^T y,
 
-valid whatever ``y`` is, once each multiplier has the sign its row's finite side allows. Duals of a
-related model (the same rows, costs somewhat changed) make it nearly as tight as the model's own LP
-bound for the price of one product with the matrix: a re-solve whose start this bound already
-certifies needs no LP at all.
+valid whatever ``y`` is, once each multiplier has the sign its row's finite side allows: it costs one
+product with the matrix, and good multipliers (``autoplan.certify`` finds them from a placement
+ILP's structure) bring it close to the LP bound. On a model ``tightened`` first it bounds the integer
+optimum, and may then exceed the LP bound.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .model import LinearModel
+from .model import LinearModel, _frozen
 
 
 def choice_rows(model: LinearModel) -> np.ndarray:
@@ -42,11 +42,12 @@ def choice_rows(model: LinearModel) -> np.ndarray:
 
 
 def tightened(model: LinearModel) -> LinearModel:
-    """``model`` with the columns no feasible point can set to 1 fixed at 0, so a bound sees the
-    same feasible set without multipliers for the rows that rule them out: beside a row that picks
-    one of some of a choice row's columns (a pin), the choice row's other columns; in a ``<=`` row
-    of nonnegative coefficients over choice columns, those that exceed the limit even with every
-    other choice at its lightest column."""
+    """``model`` with the columns no integer-feasible point sets nonzero held at 0, so a bound sees
+    the same integer points without multipliers for the rows that rule them out: beside a row that
+    picks one of some of a choice row's columns (a pin), the choice row's other columns; in a
+    ``<=`` row of nonnegative coefficients over choice columns, those that exceed the limit even
+    with every other choice at its lightest column; then, in an equality row at 0 whose columns
+    are all nonnegative, the positive side of a row whose negative side is all held at 0."""
     choose = choice_rows(model)
     row_of = np.repeat(np.arange(model.n_rows), np.diff(model.csr_start))
     choice_of = np.full(model.n_cols, -1)
@@ -74,14 +75,14 @@ def tightened(model: LinearModel) -> LinearModel:
             over = vals - np.array([least[c] for c in owners.tolist()]) > slack + 1e-9 * max(1.0, abs(model.row_hi[r]))
             out[cols[over]] = True
     ub = np.where(out, 0.0, model.col_ub)
-    # an equality row at 0 whose negative side is all fixed at 0 holds its nonnegative positive side there
-    balance = (model.row_lo == 0.0) & (model.row_hi == 0.0)
+    # a sum of nonnegative terms at 0 holds each at 0
+    signed = np.bincount(row_of, weights=model.col_lb[model.csr_col] < 0, minlength=model.n_rows) == 0
+    balance = (model.row_lo == 0.0) & (model.row_hi == 0.0) & signed
     negative = model.csr_val < 0
     open_negative = np.bincount(row_of, weights=negative & (ub[model.csr_col] > 0), minlength=model.n_rows)
     dead = balance & (open_negative == 0) & (np.bincount(row_of, weights=negative, minlength=model.n_rows) > 0)
-    held = dead[row_of] & ~negative & (model.col_lb[model.csr_col] >= 0)
-    ub[model.csr_col[held]] = 0.0
-    return replace(model, col_ub=ub)
+    ub[model.csr_col[dead[row_of] & ~negative]] = 0.0
+    return replace(model, col_ub=_frozen(ub, np.float64))
 
 
 def lagrangian_bound(model: LinearModel, y: np.ndarray) -> float:
@@ -101,7 +102,8 @@ def lagrangian_bound(model: LinearModel, y: np.ndarray) -> float:
     np.minimum.at(best, rows[open_], d[cols][open_])
     y[choose] = best[choose]
     d[cols] -= y[rows]  # each column sits in one choice row at most
-    low = np.where(d > 0, d * np.where(d > 0, model.col_lb, 0.0), np.where(d < 0, d * model.col_ub, 0.0))
-    sides = np.where(y > 0, y * np.where(y > 0, model.row_lo, 0.0), np.where(y < 0, y * model.row_hi, 0.0))
+    with np.errstate(invalid="ignore"):  # 0 * inf: a term that needs an infinite bound is NaN, then -inf
+        low = np.where(d > 0, d * model.col_lb, np.where(d < 0, d * model.col_ub, 0.0))
+        sides = np.where(y > 0, y * model.row_lo, np.where(y < 0, y * model.row_hi, 0.0))
     total = float(sides.sum() + low.sum() + model.constant)
     return total if math.isfinite(total) else -math.inf

@@ -455,6 +455,24 @@ def test_tightening_holds_at_zero_only_what_no_feasible_point_uses():
     assert closed[12:].any() and (tightened(model).col_ub[12:] <= model.col_ub[12:]).all()
 
 
+def test_tightening_leaves_a_balance_row_with_a_negative_column_alone():
+    """``x0 + z - w = 0`` with ``z`` in [-1, 1] and ``w`` held at 0: ``x0`` may be 1 (``z = -1``), so
+    neither it nor the bound may assume the row's positive side is 0."""
+    from solvers.bound import lagrangian_bound, tightened
+
+    b = ModelBuilder("balance")
+    x = b.add_vars(2, cost=[-1.0, 0.0])
+    z = b.add_vars(1, lb=-1.0, ub=1.0, integer=False)
+    w = b.add_vars(1, lb=0.0, ub=0.0, integer=False)
+    b.add_rows([0, 0], x, 1.0, 1.0, 1.0)
+    b.add_rows([0, 0, 0], [x[0], z[0], w[0]], [1.0, 1.0, -1.0], 0.0, 0.0)
+    model = b.build()
+    assert solve(model).objective == pytest.approx(-1.0)
+    held = tightened(model)
+    assert held.col_ub[x[0]] == 1.0
+    assert lagrangian_bound(held, np.zeros(model.n_rows)) <= -1.0
+
+
 def test_a_start_the_certificate_covers_is_kept_without_the_lp(monkeypatch):
     """``certify`` (a bound worked out without the LP) given the completed start: within the gap,
     the start stands after its completion alone (none when the start sets every column feasibly);
@@ -483,6 +501,12 @@ def test_a_start_the_certificate_covers_is_kept_without_the_lp(monkeypatch):
     short = solve(model, start=choices, mip_rel_gap=0.001, keep_start=True, certify=certify)
     assert runs[:2] == [False, False] and short.objective == pytest.approx(best.objective)
     assert short.gap <= 0.001
+    # a certificate that falls short where the LP's bound (6.0% under the optimum) does not: the
+    # completed start stands after the LP, the rounding untried
+    runs.clear()
+    lp_kept = solve(model, start=choices, mip_rel_gap=0.1, keep_start=True, certify=lambda x, v: v / 2)
+    assert runs == [False, False] and lp_kept.objective == pytest.approx(best.objective)
+    assert lp_kept.gap == pytest.approx(0.0602, abs=1e-4)
 
 
 def test_neighbourhoods_grow_along_sparse_rows_not_through_a_dense_one():
