@@ -421,6 +421,7 @@ class CostModel:
         self._templates: dict[tuple, tuple[_Step, ...] | None] = {}  # DTensor's steps per placement pair (``_steps``)
         self._derived: dict[tuple, tuple[object, Any]] = {}
         self._searches: dict[tuple, Any] = {}  # what DTensor's searches reuse (``redistribute_steps``'s memo)
+        self._elements: dict[tuple, tuple[int, ...]] = {}  # per (src id, shape): ``_step_elements``
 
     def _id(self, placements: Placements) -> int:
         """A number per distinct placement tuple: cache keys made of them hash in C, where a
@@ -474,6 +475,15 @@ class CostModel:
             steps.append(_Step(step.mesh_dim, kinds, shard_dim(step.src), shard_dim(step.dst)))
         return tuple(steps)
 
+    def _step_elements(self, src: Placements, meta: TensorMeta, src_id: int) -> tuple[int, ...]:
+        """Per mesh dim, the elements of the tensor as that dim's step sees it (``logical_shapes``):
+        the same for every move out of ``src`` of one shape (~126 K moves, far fewer sources)."""
+        key = (src_id, tuple(meta.shape))
+        found = self._elements.get(key)
+        if found is None:
+            found = self._elements[key] = tuple(math.prod(s) for s in logical_shapes(self.mesh, src, meta))
+        return found
+
     def _build_plan(
         self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple
     ) -> tuple[Transfer, ...] | None:
@@ -486,14 +496,14 @@ class CostModel:
         mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
         current = list(self._dims[key[0]])  # the tensor dim each mesh dim splits, as the steps go
         contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
-        logical = logical_shapes(self.mesh, src, meta)
+        elements = self._step_elements(src, meta, key[0])
         after = split_shape(meta.shape, current, mesh_shape)
         for step in steps:
             n = mesh_shape[step.mesh_dim]
             before = after
             current[step.mesh_dim] = step.dst_dim
             after = split_shape(meta.shape, current, mesh_shape)
-            full = math.prod(logical[step.mesh_dim]) * itemsize
+            full = elements[step.mesh_dim] * itemsize
             written = -(-full // n) if step.dst_dim is not None else full
             size = math.prod(before) * itemsize  # the local bytes the next primitive reads
             for k in step.kinds:
