@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from autoplan.problem import PlacementProblem
 from solvers import LinearModel
-from solvers.bound import lagrangian_bound, tightened
+from solvers.bound import choice_rows, lagrangian_bound, tightened
 from solvers.result import relative_gap
 
 # Sweeps over every edge group at most; the bound is checked after every ``_CHECK`` of them and the
@@ -58,11 +58,12 @@ def certifier(
     ``gap`` of ``objective``. Columns no feasible point sets (off a pin, too heavy for a budget)
     are fixed at 0 first: the bound then needs no multipliers for those rows."""
     model = tightened(model)
+    choose = choice_rows(model)  # the ascent bounds this one model every few sweeps
 
     def certify(x: np.ndarray, objective: float) -> float:
         y = np.zeros(model.n_rows)
         y[layout.overlap] = _slackness(model, layout, x)
-        return _ascent(problem, layout, model, y, objective, gap)
+        return _ascent(problem, layout, model, choose, y, objective, gap)
 
     return certify
 
@@ -86,7 +87,9 @@ def _slackness(model: LinearModel, layout: Layout, x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _ascent(problem: PlacementProblem, layout: Layout, model: LinearModel, y, objective: float, gap: float) -> float:
+def _ascent(
+    problem: PlacementProblem, layout: Layout, model: LinearModel, choose: np.ndarray, y, objective: float, gap: float
+) -> float:
     """The best bound of ``y`` with its edge rows' multipliers raised sweep by sweep (the others as
     given): a unit's belief is its strategies' reduced costs less the choice row, each group's
     step reads its two units' beliefs without its own messages, per label, and splits the best
@@ -107,7 +110,7 @@ def _ascent(problem: PlacementProblem, layout: Layout, model: LinearModel, y, ob
         beta.append(np.zeros(len(dst)))
     labels = [(g.src_label[layout.kept[g.src]], g.dst_label[layout.kept[g.dst]]) for g in problem.edges]
     gathers = [(_by_label(sl, len(a)), _by_label(dl, len(b))) for (sl, dl), a, b in zip(labels, alpha, beta)]
-    best = last = lagrangian_bound(model, y)
+    best = last = lagrangian_bound(model, y, choose)
     order = list(range(len(theta)))
     for sweep in range(MAX_SWEEPS):
         for i in order if sweep % 2 == 0 else reversed(order):  # alternate: news travels both ways
@@ -126,7 +129,7 @@ def _ascent(problem: PlacementProblem, layout: Layout, model: LinearModel, y, ob
             continue
         for (src, dst), a, b in zip(layout.marginals, alpha, beta):
             y[src], y[dst] = a, b
-        bound = lagrangian_bound(model, y)
+        bound = lagrangian_bound(model, y, choose)
         best = max(best, bound)
         if relative_gap(objective, best) <= gap or bound - last < _STALL * abs(objective):
             break

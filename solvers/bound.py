@@ -85,12 +85,13 @@ def tightened(model: LinearModel) -> LinearModel:
     return replace(model, col_ub=_frozen(ub, np.float64))
 
 
-def lagrangian_bound(model: LinearModel, y: np.ndarray) -> float:
+def lagrangian_bound(model: LinearModel, y: np.ndarray, choose: np.ndarray | None = None) -> float:
     """``L(y)`` with ``y`` made valid (a multiplier whose row side is infinite is dropped) and the
-    ``choice_rows`` multipliers set to their best; ``-inf`` when an unbounded column would need it."""
+    ``choice_rows`` multipliers set to their best; ``-inf`` when an unbounded column would need it.
+    ``choose``: the model's ``choice_rows``, for a caller that bounds one model many times."""
     y = np.asarray(y, dtype=np.float64)
     y = np.where((y > 0) & ~np.isfinite(model.row_lo) | (y < 0) & ~np.isfinite(model.row_hi), 0.0, y)
-    choose = choice_rows(model)
+    choose = choice_rows(model) if choose is None else choose
     y = np.where(choose, 0.0, y)
     entry_col = np.repeat(np.arange(model.n_cols), np.diff(model.csc_start))
     d = model.cost - np.bincount(entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)

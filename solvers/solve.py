@@ -298,11 +298,9 @@ def solve(
             raise _timeout(model, name, opts)
         if lp.status is SolveStatus.OPTIMAL:
             lp_bound = lp.bound
-            if best is not None and relative_gap(best[1], lp_bound) <= max(mip_rel_gap, OPTIMALITY_GAP):
-                status = (
-                    SolveStatus.OPTIMAL if relative_gap(best[1], lp_bound) <= OPTIMALITY_GAP else SolveStatus.FEASIBLE
-                )
-                return _result(model, name, passes, status, *best, lp_bound)  # the start, completed above
+            gap = relative_gap(best[1], lp_bound) if best is not None else math.inf
+            if gap <= max(mip_rel_gap, OPTIMALITY_GAP):  # the start, completed above, is within the gap
+                return _result(model, name, passes, _within(gap), *best, lp_bound)
             # integer points to complete, cheapest tries first: the rounded LP, the given start, then
             # small MIPs over the columns the LP left fractional and those within a few rows of
             # them, the others fixed at their LP value (on 8B's 8x4x4 ILP: 4 fractional columns,
