@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry
 
 from autoplan import attention
-from autoplan.adapters.dtensor import Placements, TensorMeta, logical_shapes, redistribute_steps, shape_free, shard_dim
+from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_steps, shape_free, shard_dim
 from autoplan.devices import H100_SXM, DeviceProfile, LinkKind
 
 aten = torch.ops.aten
@@ -236,6 +236,15 @@ def _made_bytes(kind: TransferKind, size: int, n: int, after: int) -> int:
     return after if kind == "local" else size
 
 
+def _step_bytes(kind: TransferKind, size: int, n: int, made: int) -> int:
+    """A primitive's ``Transfer.nbytes`` from the local bytes it reads (``size``) and writes
+    (``made``): a collective moves the tensor its group holds *now*, so shards that other mesh dims
+    keep (an FSDP gather of a TP-sharded weight) shrink it, as do steps the same move ran before."""
+    if kind in ("all_gather", "all_to_all"):
+        return size * n
+    return made if kind == "local" else size
+
+
 def peak_buffer_bytes(transfers: Sequence[Transfer]) -> int:
     """The most bytes a redistribution's own buffers hold at once: each primitive's output is made
     while its input (the previous output; the source is not the move's) is still alive."""
@@ -421,7 +430,6 @@ class CostModel:
         self._templates: dict[tuple, tuple[_Step, ...] | None] = {}  # DTensor's steps per placement pair (``_steps``)
         self._derived: dict[tuple, tuple[object, Any]] = {}
         self._searches: dict[tuple, Any] = {}  # what DTensor's searches reuse (``redistribute_steps``'s memo)
-        self._elements: dict[tuple, tuple[int, ...]] = {}  # per (src id, shape): ``_step_elements``
 
     def _id(self, placements: Placements) -> int:
         """A number per distinct placement tuple: cache keys made of them hash in C, where a
@@ -475,15 +483,6 @@ class CostModel:
             steps.append(_Step(step.mesh_dim, kinds, shard_dim(step.src), shard_dim(step.dst)))
         return tuple(steps)
 
-    def _step_elements(self, src: Placements, meta: TensorMeta, src_id: int) -> tuple[int, ...]:
-        """Per mesh dim, the elements of the tensor as that dim's step sees it (``logical_shapes``):
-        the same for every move out of ``src`` of one shape (~126 K moves, far fewer sources)."""
-        key = (src_id, tuple(meta.shape))
-        found = self._elements.get(key)
-        if found is None:
-            found = self._elements[key] = tuple(math.prod(s) for s in logical_shapes(self.mesh, src, meta))
-        return found
-
     def _build_plan(
         self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple
     ) -> tuple[Transfer, ...] | None:
@@ -496,15 +495,12 @@ class CostModel:
         mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
         current = list(self._dims[key[0]])  # the tensor dim each mesh dim splits, as the steps go
         contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
-        elements = self._step_elements(src, meta, key[0])
         after = split_shape(meta.shape, current, mesh_shape)
         for step in steps:
             n = mesh_shape[step.mesh_dim]
             before = after
             current[step.mesh_dim] = step.dst_dim
             after = split_shape(meta.shape, current, mesh_shape)
-            full = elements[step.mesh_dim] * itemsize
-            written = -(-full // n) if step.dst_dim is not None else full
             size = math.prod(before) * itemsize  # the local bytes the next primitive reads
             for k in step.kinds:
                 copies = list(relayout_copies(k, step.src_dim, step.dst_dim, before, after))
@@ -516,7 +512,7 @@ class CostModel:
                 made = _made_bytes(k, size, n, math.prod(after) * itemsize)
                 # in the order they run: copies of the input before the collective, of its output after
                 transfers.extend(r for c, r in zip(copies, relayouts) if c is before)
-                transfers.append(Transfer(k, step.mesh_dim, written if k == "local" else full, made))
+                transfers.append(Transfer(k, step.mesh_dim, _step_bytes(k, size, n, made), made))
                 transfers.extend(r for c, r in zip(copies, relayouts) if c is not before)
                 size, contiguous = made, True
         return tuple(transfers)

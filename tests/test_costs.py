@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import fake_mesh, init_fake_world
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.adapters.dtensor import redistribute_steps, tensor_meta
 from autoplan.costs import (
@@ -15,6 +16,7 @@ from autoplan.costs import (
     collective_seconds,
     flat_collective_seconds,
     local_bytes,
+    local_shape,
     node_flops,
 )
 from autoplan.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, resolve_profile
@@ -457,3 +459,74 @@ def test_moves_priced_together_cost_what_each_costs_alone():
                 alone = CostModel(mesh)
                 assert matrix[i, j] == alone.redistribute_cost(src, dst, m), (src, dst, m)
                 assert shared.redistribute_peak_bytes(src, dst, m) == alone.redistribute_peak_bytes(src, dst, m)
+
+
+_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
+
+class _SentBytes(TorchDispatchMode):
+    """Records each functional collective DTensor issues: (op name, local bytes of its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func.name().partition("::")
+        if namespace == "_c10d_functional" and name in _COLLECTIVES:
+            self.sent.append((name, args[0].numel() * args[0].element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_collectives_are_priced_on_the_bytes_dtensor_sends():
+    """Each collective of a move is priced on what rank 0 really sends: its local tensor at that
+    step, which the shards of *other* mesh dims shrink (the FSDP gather of a TP-sharded weight
+    sends 1/tp of the weight) and so do the steps the move already ran."""
+    from torch.distributed.tensor import DTensor
+
+    init_fake_world()
+    mesh = fake_mesh((4, 2, 3))
+    cost = CostModel(mesh)
+    choices = (R, P, Shard(0), Shard(1))
+    placements = [(a, b, c) for a in choices for b in choices for c in choices]
+    m = meta(96, 48, dtype=torch.float32)
+    # gloo has no all-to-all: DTensor gathers the same local input instead
+    ops = {
+        "all_gather": "all_gather_into_tensor",
+        "reduce_scatter": "reduce_scatter_tensor",
+        "all_to_all": "all_gather_into_tensor",
+    }
+    checked = 0
+    for k in range(0, len(placements) ** 2, 7):
+        src, dst = placements[k // len(placements)], placements[k % len(placements)]
+        plan = cost._plan(src, dst, m)
+        if not plan or any(isinstance(p, Partial) for p in dst):
+            continue
+        local = torch.zeros(local_shape_of(m, src, mesh), dtype=torch.float32)
+        with _SentBytes() as seen:
+            DTensor.from_local(local, mesh, src, run_check=False).redistribute(mesh, dst)
+        expected = [
+            (
+                ops.get(t.kind, t.kind),
+                t.nbytes // mesh.size(t.mesh_dim) if t.kind in ("all_gather", "all_to_all") else t.nbytes,
+            )
+            for t in plan
+            if t.kind not in ("local", "relayout")
+        ]
+        assert seen.sent == expected, (src, dst)
+        checked += 1
+    assert checked > 200
+    fsdp_tp = cost._plan((Shard(0), R, Shard(1)), (R, R, Shard(1)), m)
+    assert [t.nbytes for t in fsdp_tp] == [m.shape.numel() * 4 // 3]
+
+
+def test_a_local_step_writes_the_shard_it_leaves(model):
+    """Slicing a replica on two mesh dims writes each step's own, shrinking, shard."""
+    m = meta(4096, 4096)
+    plan = model._plan((R, R), (Shard(0), Shard(1)), m)
+    assert [t.kind for t in plan] == ["local", "local"]
+    assert [t.nbytes for t in plan] == [4096 * 4096 * 2 // 16, 4096 * 4096 * 2 // 128]
+
+
+def local_shape_of(m, placements, mesh) -> tuple[int, ...]:
+    return local_shape(m.shape, placements, mesh.shape)
