@@ -525,4 +525,6 @@ def test_neighbourhoods_grow_along_sparse_rows_not_through_a_dense_one():
     assert model.near(first, 2).all()
     assert np.flatnonzero(model.near(first, 2, widest=2)).tolist() == [0, 1, 2]
     rings = solve_module._neighbourhoods(model, first)
-    assert [np.flatnonzero(r).tolist() for r in rings] == [[0], [0, 1, 2], [0, 1, 2, 3, 4]]
+    # each ring reaches ``hops`` columns along the chain (every step goes through one pair row)
+    expected = [[0]] + [list(range(h + 1)) for h in solve_module.NEIGHBOURHOOD_HOPS]
+    assert [np.flatnonzero(r).tolist() for r in rings] == expected
