@@ -33,15 +33,16 @@ from solvers.result import relative_gap
 
 # Sweeps over every edge group at most; the bound is checked after every ``_CHECK`` of them and the
 # ascent stops when a check certifies the start, gains less than ``_STALL`` of the objective, or
-# its gains, shrinking as they do, cannot add up to the rest of the gap. The gains shrink about
-# geometrically once the first fast sweeps are past (by ~10% a check on LLaMA-3 8B's 8x4x4 layers.0
-# re-solve, which needs ~170 sweeps from a bound 20% under its start): after ``_SETTLE`` sweeps the
-# projection is their geometric sum, doubled for safety.
+# its gains, shrinking as they do, cannot add up to the rest of the gap. After ``_SETTLE`` sweeps
+# the projection is their geometric sum at the last check's ratio, times ``_REACH``: the gains
+# shrink fast at first and then slowly (by 10-20% a check, then ~5%, on LLaMA-3 8B's 8x4x4 and 70B's
+# 16x8x8 layers.0 re-solves, certified at ~170 and ~210 sweeps from bounds 20% and 6% under their
+# starts), so a short window underestimates what is left (at twice it, 70B gave up at 70 sweeps).
 MAX_SWEEPS = 400
 _CHECK = 5
 _STALL = 1e-5
 _SETTLE = 50
-_REACH = 2.0
+_REACH = 4.0
 _CAP = 1e9  # a multiplier's largest magnitude (microseconds): a label no pair can take is priced out
 
 
@@ -146,7 +147,7 @@ def _ascent(
 def _may_reach(rise: float, previous: float, short: float, sweeps: int, floor: float) -> bool:
     """Whether a bound that rose by ``rise`` at its last check (``previous`` at the one before)
     may still climb ``short`` more: it must gain at least ``floor`` a check, and once settled its
-    gains, shrinking by ``rise / previous`` a check, must sum (doubled for safety) to ``short``."""
+    gains, shrinking by ``rise / previous`` a check, must sum (``_REACH`` times) to ``short``."""
     if rise < floor:
         return False
     ratio = rise / previous
