@@ -100,7 +100,8 @@ def solve_highs(model: LinearModel, integral: bool, opts: SolverOptions) -> RawS
     import highspy
 
     if model.n_cols == 0:  # HiGHS calls this "empty": optimal, ignoring row bounds and the offset
-        if np.all((model.row_lo <= 0) & (model.row_hi >= 0)):
+        tol = 1e-7  # HiGHS's primal feasibility tolerance: these bounds are what fixed columns left
+        if np.all((model.row_lo <= tol) & (model.row_hi >= -tol)):
             return RawSolution(SolveStatus.OPTIMAL, np.zeros(0), model.constant, False, 0.0, 0.0)
         return RawSolution(SolveStatus.INFEASIBLE, None, math.inf, False, 0.0, 0.0)
     t0 = perf_counter()

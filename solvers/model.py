@@ -72,13 +72,47 @@ class LinearModel:
         """Objective of ``x`` including the constant offset."""
         return float(self.cost @ x) + self.constant
 
-    def with_fixed(self, columns: np.ndarray, values: np.ndarray) -> LinearModel:
-        """Same model with the columns where ``columns`` is true fixed to ``values``, clipped to the
-        columns' bounds (a guess never overrides a bound, e.g. a pinned binary)."""
-        values = np.clip(values, self.col_lb, self.col_ub)
-        lb = np.where(columns, values, self.col_lb)
-        ub = np.where(columns, values, self.col_ub)
-        return replace(self, col_lb=_frozen(lb, np.float64), col_ub=_frozen(ub, np.float64))
+    def restricted(self, columns: np.ndarray, values: np.ndarray) -> tuple[LinearModel, np.ndarray, np.ndarray]:
+        """The model with ``columns`` held at ``values`` (clipped to their bounds, so a guess never
+        overrides a bound, e.g. a pinned binary), over the other columns only: the fixed ones move
+        into the row bounds and the constant, so a solver never presolves them away (0.45 s of
+        HiGHS per solve on LLaMA-3 8B's 8x4x4 ILP, 412 K columns), and so do the columns they
+        hold at 0. Also the full point with the columns left at 0, and which are left, for the
+        solution to be written into."""
+        fixed = np.asarray(columns, dtype=bool)
+        full = np.where(fixed, np.clip(values, self.col_lb, self.col_ub), 0.0)
+        entry_row = np.repeat(np.arange(self.n_rows), np.diff(self.csr_start))
+        activity = np.bincount(entry_row, weights=self.csr_val * full[self.csr_col], minlength=self.n_rows)
+        # a row left with only positive terms over columns >= 0 and room for none holds them at 0
+        # (a placement's pair columns once the placements either side are fixed off): ~98% of them
+        free_entry = ~fixed[self.csr_col]
+        bad = free_entry & ((self.csr_val <= 0) | (self.col_lb[self.csr_col] != 0))
+        closed = (self.row_hi - activity <= 1e-9) & (np.bincount(entry_row, weights=bad, minlength=self.n_rows) == 0)
+        fixed = fixed.copy()
+        fixed[self.csr_col[closed[entry_row] & free_entry]] = True
+        keep = ~fixed
+        in_csc = np.repeat(keep, np.diff(self.csc_start))
+        in_csr = keep[self.csr_col]
+        new_col = np.cumsum(keep) - 1
+        names = self.col_names
+        sub = replace(
+            self,
+            cost=_frozen(self.cost[keep], np.float64),
+            col_lb=_frozen(self.col_lb[keep], np.float64),
+            col_ub=_frozen(self.col_ub[keep], np.float64),
+            integer=_frozen(self.integer[keep], bool),
+            row_lo=_frozen(self.row_lo - activity, np.float64),
+            row_hi=_frozen(self.row_hi - activity, np.float64),
+            csc_start=_frozen(np.r_[0, np.cumsum(np.diff(self.csc_start)[keep])], np.int32),
+            csc_row=_frozen(self.csc_row[in_csc], np.int32),
+            csc_val=_frozen(self.csc_val[in_csc], np.float64),
+            csr_start=_frozen(np.r_[0, np.cumsum(np.bincount(entry_row[in_csr], minlength=self.n_rows))], np.int32),
+            csr_col=_frozen(new_col[self.csr_col[in_csr]], np.int32),
+            csr_val=_frozen(self.csr_val[in_csr], np.float64),
+            constant=self.constant + float(self.cost @ full),
+            col_names=None if names is None else tuple(n for n, k in zip(names, keep) if k),
+        )
+        return sub, full, keep
 
     def near(self, columns: np.ndarray, hops: int, widest: int | None = None) -> np.ndarray:
         """The columns within ``hops`` steps of ``columns``, a step going from a column to every

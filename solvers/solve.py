@@ -179,7 +179,13 @@ def _point_with(
     """Fix ``columns`` to ``values`` and solve for the rest (a MIP if integer columns stay free):
     a feasible point and its objective, or ``None``."""
     integral = bool(np.any(model.integer & ~columns))
-    raw = run(model.with_fixed(columns, np.round(values)), integral, opts)
+    sub, full, free = model.restricted(columns, np.round(values))
+    if opts.start is not None:
+        opts = replace(opts, start=np.asarray(opts.start)[free])
+    raw = run(sub, integral, opts)
+    if raw.x is not None:
+        full[free] = raw.x
+        raw = replace(raw, x=full)
     passes.append(raw)
     if raw.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
         return None

@@ -138,7 +138,7 @@ def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
         lp = solve_highs(model, False, SolverOptions(presolve=False)).bound
         assert bound <= lp + 1e-9 * abs(lp) and objective - bound <= gap * objective
         # the start came completed (pairs, hidden seconds) as the completion LP would have it
-        completed = solve_highs(model.with_fixed(model.integer, x), False, SolverOptions(presolve=False))
+        completed = solve_highs(model.restricted(model.integer, x)[0], False, SolverOptions(presolve=False))
         assert model.objective_value(x) == pytest.approx(completed.bound, rel=1e-9) == objective
     for r in plan.ilp["refinements"]:
         assert r["status"] == "feasible" and 0 < r["gap"] <= 0.01 and not r["kept"]

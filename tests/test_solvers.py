@@ -1,5 +1,6 @@
 """Tests for the solvers package: model building, both backends, LP-first, diagnosis, limits."""
 
+import dataclasses
 import importlib
 import itertools
 import json
@@ -528,3 +529,32 @@ def test_neighbourhoods_grow_along_sparse_rows_not_through_a_dense_one():
     # each ring reaches ``hops`` columns along the chain (every step goes through one pair row)
     expected = [[0]] + [list(range(h + 1)) for h in solve_module.NEIGHBOURHOOD_HOPS]
     assert [np.flatnonzero(r).tolist() for r in rings] == expected
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_restricted_model_solves_as_the_model_with_those_columns_fixed(seed):
+    """Fixed columns leave the model (their activity moves into the row bounds and the constant),
+    with the pair columns their fixing closes: every choice of units 0 and 2, infeasible ones
+    (off the pin, over the budget) included, gives the status, objective and point of the same
+    model with those columns' bounds fixed."""
+    model, x = _pairwise_model(seed, budget=7.0)
+    fixed = np.zeros(model.n_cols, dtype=bool)
+    fixed[x[[0, 2]].ravel()] = True
+    outcomes = set()
+    for a, c in itertools.product(range(3), repeat=2):
+        values = np.zeros(model.n_cols)
+        values[x[0, a]] = values[x[2, c]] = 1.0
+        bounded = dataclasses.replace(
+            model, col_lb=np.where(fixed, values, model.col_lb), col_ub=np.where(fixed, values, model.col_ub)
+        )
+        want = solve_highs(bounded, True, SolverOptions())
+        sub, full, free = model.restricted(fixed, values)
+        assert sub.n_cols < model.n_cols - fixed.sum()  # some pair columns closed too
+        got = solve_highs(sub, True, SolverOptions())
+        assert got.status is want.status
+        outcomes.add(got.status)
+        if want.status is SolveStatus.OPTIMAL:
+            full[free] = got.x
+            assert model.objective_value(full) == pytest.approx(got.bound) == pytest.approx(want.bound)
+            assert np.allclose(full, want.x)
+    assert outcomes == {SolveStatus.OPTIMAL, SolveStatus.INFEASIBLE}
