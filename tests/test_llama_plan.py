@@ -116,7 +116,7 @@ def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
     from solvers.highs_backend import solve_highs
     from solvers.result import SolverOptions
 
-    real, seen, makers = ilp_module.certifier, [], []
+    real, seen, makers = ilp_module.certifier, [], {}
     real_bound = certify_module.lagrangian_bound
     monkeypatch.setattr(ilp_module, "CERTIFY_MIN_ROWS", 0)  # this small ILP's LP is cheaper, so try it here
 
@@ -128,7 +128,8 @@ def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
             seen.append((model, x, bound, objective, gap))
             return bound
 
-        makers.append(lambda g: real(problem, layout, model, g))
+        # the two re-solves run in threads: each model keeps its own certifier maker
+        makers[id(model)] = lambda g: real(problem, layout, model, g)
         return run
 
     monkeypatch.setattr(ilp_module, "certifier", recording)
@@ -145,7 +146,7 @@ def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
     # asked to prove a start 1% under the LP's optimum, the ascent gives up long before its cap
     checks = []
     monkeypatch.setattr(certify_module, "lagrangian_bound", lambda *a: checks.append(1) or real_bound(*a))
-    (model, x, _, _, _), make = seen[0], makers[0]
+    (model, x, _, _, _), make = seen[0], makers[id(seen[0][0])]
     lp = solve_highs(model, False, SolverOptions(presolve=False)).bound
     assert make(1e-6)(x, 0.99 * lp) <= lp + 1e-9 * abs(lp)
     assert len(checks) < certify_module.MAX_SWEEPS // certify_module._CHECK / 2
