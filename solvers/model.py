@@ -84,7 +84,7 @@ class LinearModel:
         entry_row = np.repeat(np.arange(self.n_rows), np.diff(self.csr_start))
         activity = np.bincount(entry_row, weights=self.csr_val * full[self.csr_col], minlength=self.n_rows)
         # a row left with only positive terms over columns >= 0 and room for none holds them at 0
-        # (a placement's pair columns once the placements either side are fixed off): ~98% of them
+        # (the pair columns beside a placement fixed off: with every placement fixed, all but ~1 a group)
         free_entry = ~fixed[self.csr_col]
         bad = free_entry & ((self.csr_val <= 0) | (self.col_lb[self.csr_col] != 0))
         closed = (self.row_hi - activity <= 1e-9) & (np.bincount(entry_row, weights=bad, minlength=self.n_rows) == 0)
