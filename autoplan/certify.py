@@ -101,8 +101,7 @@ def _ascent(
     given): a unit's belief is its strategies' reduced costs less the choice row, each group's
     step reads its two units' beliefs without its own messages, per label, and splits the best
     pairing of each label evenly between them (every pair's reduced cost stays >= 0)."""
-    entry_col = np.repeat(np.arange(model.n_cols), np.diff(model.csc_start))
-    d0 = model.cost - np.bincount(entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
+    d0 = model.cost - np.bincount(model.entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
     belief = {}
     for u in problem.units:
         cols = layout.offsets[u] + np.arange(len(layout.kept[u]))

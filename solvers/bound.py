@@ -26,7 +26,7 @@ def choice_rows(model: LinearModel) -> np.ndarray:
     they would, e.g. a pin over some of a choice's columns, the longer row is the choice): given
     the other multipliers, a choice row's best is the least reduced cost among its columns."""
     binary = model.integer & (model.col_lb == 0.0) & np.isin(model.col_ub, (0.0, 1.0))  # some may be held at 0
-    row_of = np.repeat(np.arange(model.n_rows), np.diff(model.csr_start))
+    row_of = model.entry_row
     plain = (model.csr_val == 1.0) & binary[model.csr_col]
     length = np.diff(model.csr_start)
     whole = np.bincount(row_of, weights=plain, minlength=model.n_rows) == length
@@ -49,7 +49,7 @@ def tightened(model: LinearModel) -> LinearModel:
     with every other choice at its lightest column; then, in an equality row at 0 whose columns
     are all nonnegative, the positive side of a row whose negative side is all held at 0."""
     choose = choice_rows(model)
-    row_of = np.repeat(np.arange(model.n_rows), np.diff(model.csr_start))
+    row_of = model.entry_row
     choice_of = np.full(model.n_cols, -1)
     picked = choose[row_of]
     choice_of[model.csr_col[picked]] = row_of[picked]
@@ -93,9 +93,8 @@ def lagrangian_bound(model: LinearModel, y: np.ndarray, choose: np.ndarray | Non
     y = np.where((y > 0) & ~np.isfinite(model.row_lo) | (y < 0) & ~np.isfinite(model.row_hi), 0.0, y)
     choose = choice_rows(model) if choose is None else choose
     y = np.where(choose, 0.0, y)
-    entry_col = np.repeat(np.arange(model.n_cols), np.diff(model.csc_start))
-    d = model.cost - np.bincount(entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
-    row_of = np.repeat(np.arange(model.n_rows), np.diff(model.csr_start))
+    d = model.cost - np.bincount(model.entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
+    row_of = model.entry_row
     picked = choose[row_of]
     cols, rows = model.csr_col[picked], row_of[picked]
     best = np.full(model.n_rows, np.inf)

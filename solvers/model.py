@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -68,6 +69,21 @@ class LinearModel:
     def n_integer(self) -> int:
         return int(np.count_nonzero(self.integer))
 
+    @cached_property
+    def entry_row(self) -> np.ndarray:
+        """The row of each row-wise entry (``csr_*``), worked out once: bounds, propagation and
+        neighbourhoods sum their entries per row with it, the ascent every few sweeps."""
+        return _frozen(np.repeat(np.arange(self.n_rows), np.diff(self.csr_start)), np.int64)
+
+    @cached_property
+    def entry_col(self) -> np.ndarray:
+        """The column of each column-wise entry (``csc_*``), worked out once."""
+        return _frozen(np.repeat(np.arange(self.n_cols), np.diff(self.csc_start)), np.int64)
+
+    def activity(self, x: np.ndarray) -> np.ndarray:
+        """``A @ x``, per row."""
+        return np.bincount(self.entry_row, weights=self.csr_val * x[self.csr_col], minlength=self.n_rows)
+
     def objective_value(self, x: np.ndarray) -> float:
         """Objective of ``x`` including the constant offset."""
         return float(self.cost @ x) + self.constant
@@ -81,8 +97,7 @@ class LinearModel:
         solution to be written into."""
         fixed = np.asarray(columns, dtype=bool)
         full = np.where(fixed, np.clip(values, self.col_lb, self.col_ub), 0.0)
-        entry_row = np.repeat(np.arange(self.n_rows), np.diff(self.csr_start))
-        activity = np.bincount(entry_row, weights=self.csr_val * full[self.csr_col], minlength=self.n_rows)
+        entry_row, activity = self.entry_row, self.activity(full)
         # a row left with only positive terms over columns >= 0 and room for none holds them at 0
         # (the pair columns beside a placement fixed off: with every placement fixed, all but ~1 a group)
         free_entry = ~fixed[self.csr_col]
@@ -118,8 +133,7 @@ class LinearModel:
         """The columns within ``hops`` steps of ``columns``, a step going from a column to every
         column that shares a row with it (a mask over columns); with ``widest``, not through rows
         of more entries than that."""
-        entry_col = np.repeat(np.arange(self.n_cols), np.diff(self.csc_start))
-        entry_row = np.repeat(np.arange(self.n_rows), np.diff(self.csr_start))
+        entry_col, entry_row = self.entry_col, self.entry_row
         narrow = np.diff(self.csr_start) <= (self.n_cols if widest is None else widest)
         out = np.asarray(columns, dtype=bool).copy()
         for _ in range(hops):

@@ -178,11 +178,8 @@ def _point_with(
 ) -> tuple[np.ndarray, float] | None:
     """Fix ``columns`` to ``values`` and solve for the rest (a MIP if integer columns stay free):
     a feasible point and its objective, or ``None``."""
-    integral = bool(np.any(model.integer & ~columns))
     sub, full, free = model.restricted(columns, np.round(values))
-    if opts.start is not None:
-        opts = replace(opts, start=np.asarray(opts.start)[free])
-    raw = run(sub, integral, opts)
+    raw = run(sub, sub.n_integer > 0, opts)
     if raw.x is not None:
         full[free] = raw.x
         raw = replace(raw, x=full)
@@ -206,8 +203,7 @@ def _whole_point(model: LinearModel, x: np.ndarray) -> tuple[np.ndarray, float] 
         return None
     if not _is_integral(model, x):
         return None
-    row_of = np.repeat(np.arange(model.n_rows), np.diff(model.csr_start))
-    activity = np.bincount(row_of, weights=model.csr_val * x[model.csr_col], minlength=model.n_rows)
+    activity = model.activity(x)
     slack = tol * np.maximum(1.0, np.abs(activity))
     if np.any(activity < model.row_lo - slack) or np.any(activity > model.row_hi + slack):
         return None
