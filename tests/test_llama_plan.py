@@ -265,3 +265,31 @@ def test_the_ascent_goes_on_while_its_gains_can_close_the_gap():
         assert stops_at(climb, objective) is None
         gives_up = stops_at(climb, 1.02 * objective)
         assert gives_up is not None and gives_up <= 100
+
+
+def test_a_sweep_batched_by_level_is_the_sweep_in_order():
+    """The ascent updates a level's groups at once: on random graphs (repeated pairs and a group
+    whose two sides are one unit among them) no two groups of a level touch the same unit, and a
+    group comes after every group before it in the order that touches one of its units, so each
+    group's step reads what it would have read in turn."""
+    import random
+    from types import SimpleNamespace
+
+    from autoplan.certify import _levels
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n_units = rng.randint(1, 12)
+        edges = [SimpleNamespace(src=rng.randrange(n_units), dst=rng.randrange(n_units)) for _ in range(30)]
+        order = rng.sample(range(len(edges)), len(edges))
+        levels = _levels(SimpleNamespace(edges=edges), order)
+        level_of = {i: k for k, members in enumerate(levels) for i in members}
+        assert sorted(level_of) == sorted(order) and sum(map(len, levels)) == len(order)
+        for members in levels:
+            touched = [u for i in members for u in {edges[i].src, edges[i].dst}]
+            assert len(touched) == len(set(touched))
+            assert members == sorted(members, key=order.index)
+        for a, i in enumerate(order):
+            for j in order[a + 1 :]:
+                if {edges[i].src, edges[i].dst} & {edges[j].src, edges[j].dst}:
+                    assert level_of[i] < level_of[j]
