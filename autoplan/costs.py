@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry
 
 from autoplan import attention
-from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_steps, shape_free, shard_dim
+from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_transitions, shape_free, shard_dim
 from autoplan.devices import H100_SXM, DeviceProfile, LinkKind
 
 aten = torch.ops.aten
@@ -254,9 +254,12 @@ def peak_buffer_bytes(transfers: Sequence[Transfer]) -> int:
     return peak
 
 
+_NOT_PARTIAL = frozenset({Shard, Replicate})  # a failing isinstance on a placement runs in Python
+
+
 def mixed_partials(placements: Placements) -> bool:
     """DTensor refuses placements that mix Partial reduce ops (their order would matter)."""
-    return len({p.reduce_op for p in placements if isinstance(p, Partial)}) > 1
+    return len({p.reduce_op for p in placements if type(p) not in _NOT_PARTIAL and isinstance(p, Partial)}) > 1
 
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
@@ -429,7 +432,8 @@ class CostModel:
         self._matrices: dict[tuple, np.ndarray] = {}
         self._templates: dict[tuple, tuple[_Step, ...] | None] = {}  # DTensor's steps per placement pair (``_steps``)
         self._derived: dict[tuple, tuple[object, Any]] = {}
-        self._searches: dict[tuple, Any] = {}  # what DTensor's searches reuse (``redistribute_steps``'s memo)
+        self._searches: dict[tuple, Any] = {}  # what DTensor's searches reuse (``redistribute_transitions``'s memo)
+        self._kinds: dict[tuple, tuple | None] = {}  # per (source, target) placement: ``step_kinds`` and both dims
 
     def _id(self, placements: Placements) -> int:
         """A number per distinct placement tuple: cache keys made of them hash in C, where a
@@ -474,13 +478,16 @@ class CostModel:
         if mixed_partials(src) or mixed_partials(dst):
             return None
         steps = []
-        for step in redistribute_steps(self.mesh, src, dst, meta, self._searches):
-            if self.topology.shape[step.mesh_dim] == 1:  # DTensor short-cuts these before checking the transition
+        for mesh_dim, a, b in redistribute_transitions(self.mesh, src, dst, meta, self._searches):
+            if self.topology.shape[mesh_dim] == 1:  # DTensor short-cuts these before checking the transition
                 continue
-            kinds = step_kinds(step.src, step.dst)
-            if kinds is None:
+            found = self._kinds.get((a, b), _UNKNOWN)
+            if found is _UNKNOWN:
+                kinds = step_kinds(a, b)
+                found = self._kinds[(a, b)] = None if kinds is None else (kinds, shard_dim(a), shard_dim(b))
+            if found is None:
                 return None
-            steps.append(_Step(step.mesh_dim, kinds, shard_dim(step.src), shard_dim(step.dst)))
+            steps.append(_Step(mesh_dim, *found))
         return tuple(steps)
 
     def _build_plan(
@@ -503,17 +510,21 @@ class CostModel:
             after = split_shape(meta.shape, current, mesh_shape)
             size = math.prod(before) * itemsize  # the local bytes the next primitive reads
             for k in step.kinds:
-                copies = list(relayout_copies(k, step.src_dim, step.dst_dim, before, after))
+                copies = relayout_copies(k, step.src_dim, step.dst_dim, before, after)
                 # NCCL needs a contiguous input (a transposed view is not); an all-to-all's own copy may do
                 if k != "local" and not contiguous and not (copies and copies[0] is before):
-                    copies.insert(0, before)
-                sizes = [math.prod(c) * itemsize for c in copies]
-                relayouts = [Transfer("relayout", step.mesh_dim, b, b) for b in sizes]
+                    copies = (before, *copies)
                 made = _made_bytes(k, size, n, math.prod(after) * itemsize)
-                # in the order they run: copies of the input before the collective, of its output after
-                transfers.extend(r for c, r in zip(copies, relayouts) if c is before)
-                transfers.append(Transfer(k, step.mesh_dim, _step_bytes(k, size, n, made), made))
-                transfers.extend(r for c, r in zip(copies, relayouts) if c is not before)
+                primitive = Transfer(k, step.mesh_dim, _step_bytes(k, size, n, made), made)
+                if copies:  # in the order they run: copies of the input before the collective, of its output after
+                    relayouts = [
+                        Transfer("relayout", step.mesh_dim, b, b) for b in (math.prod(c) * itemsize for c in copies)
+                    ]
+                    transfers.extend(r for c, r in zip(copies, relayouts) if c is before)
+                    transfers.append(primitive)
+                    transfers.extend(r for c, r in zip(copies, relayouts) if c is not before)
+                else:
+                    transfers.append(primitive)
                 size, contiguous = made, True
         return tuple(transfers)
 

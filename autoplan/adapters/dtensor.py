@@ -28,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 Placements = tuple[Placement, ...]
+_PLAIN = frozenset({Shard, Replicate, Partial})
 
 # torch 2.13 names these ``*_single``; 2.11 has only the ``*_tensor`` names (deprecated in 2.13)
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -58,26 +59,59 @@ def redistribute_steps(
     """The ordered per-mesh-dim steps DTensor's redistribute uses to go from ``src`` to ``dst``,
     with each step's logical shape as the rank holding the largest shards sees it (DTensor records
     this rank's, which differs on uneven splits: every rank must price a move alike to plan alike).
+    ``memo``: as for ``redistribute_transitions``."""
+    transitions = redistribute_transitions(mesh, src, dst, meta, memo)
+    shapes = logical_shapes(mesh, tuple(src), meta) if transitions else []
+    return tuple(RedistributeStep(d, a, b, shapes[d]) for d, a, b in transitions)
+
+
+def redistribute_transitions(
+    mesh: DeviceMesh, src: Placements, dst: Placements, meta: TensorMeta, memo: dict | None = None
+) -> tuple[tuple[int, Placement, Placement], ...]:
+    """``redistribute_steps`` without the shapes: (mesh dim, source, target placement) per step.
 
     ``memo``: a dict the caller keeps for this one mesh. DTensor's greedy search picks the
     transitions from the placements alone, so they are asked of DTensor once per placement pair
     and tensor rank (4x fewer searches than one per tensor on a 3-D mesh), with one spec per
-    placements and rank.
+    placements and rank, of the search itself (a 3-D mesh asks ~27 K pairs: going through
+    ``_gen_transform_infos`` would hash both specs into its cache for each, a third of the cost).
     """
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return ()
     key = (src, dst, len(meta.shape))
     remember = memo is not None and shape_free(src, dst)
-    transitions = memo.get(key) if remember else None
-    if transitions is None:
-        spec = (lambda p: _rank_spec(mesh, p, meta, memo)) if remember else (lambda p: make_spec(mesh, p, meta))
-        infos = _gen_transform_infos(spec(src), spec(dst))
-        transitions = [(i.mesh_dim, *i.src_dst_placements) for i in infos]
+    found = memo.get(key) if remember else None
+    if found is None:
         if remember:
-            memo[key] = transitions
-    shapes = logical_shapes(mesh, src, meta)
-    return tuple(RedistributeStep(d, a, b, shapes[d]) for d, a, b in transitions)
+            infos = _greedy(mesh, _rank_spec(mesh, src, meta, memo), _rank_spec(mesh, dst, meta, memo), memo)
+        else:
+            infos = _gen_transform_infos(make_spec(mesh, src, meta), make_spec(mesh, dst, meta))
+        found = tuple((i.mesh_dim, *i.src_dst_placements) for i in infos)
+        if remember:
+            memo[key] = found
+    return found
+
+
+def _greedy(mesh: DeviceMesh, src: DTensorSpec, dst: DTensorSpec, memo: dict) -> list:
+    """DTensor's greedy search for a pair of specs in default shard order (what
+    ``_gen_transform_infos`` runs for them when no graph search is forced or strided shard
+    involved: ``shape_free``), from its planner for the tensor rank."""
+    if not all(_default_order(s, memo) for s in (src, dst)):
+        return _gen_transform_infos(src, dst)
+    key = ("planner", len(src.shape))
+    planner = memo.get(key)
+    if planner is None:
+        planner = memo[key] = _dtensor_redistribute.get_redistribute_planner(mesh, src.tensor_meta)
+    return planner.generate_greedy_transform_infos(src, dst)
+
+
+def _default_order(spec: DTensorSpec, memo: dict) -> bool:
+    key = ("default order", id(spec))  # the specs live in ``memo`` too (``_rank_spec``)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = DTensorSpec.is_default_device_order(spec.shard_order)
+    return found
 
 
 def _rank_spec(mesh: DeviceMesh, placements: Placements, meta: TensorMeta, memo: dict) -> DTensorSpec:
@@ -95,7 +129,8 @@ def shape_free(src: Placements, dst: Placements) -> bool:
     """Whether DTensor plans this move with its greedy search, whose transitions ignore the shape
     (its graph search, taken for strided shards or when forced, weighs bytes)."""
     forced = getattr(_dtensor_redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None)
-    return not forced and not any(isinstance(p, _StridedShard) for p in (*src, *dst))
+    # a failing isinstance on a placement runs in Python (~0.7 us): the plain types are let by first
+    return not forced and not any(type(p) not in _PLAIN and isinstance(p, _StridedShard) for p in (*src, *dst))
 
 
 def logical_shapes(mesh: DeviceMesh, src: Placements, meta: TensorMeta) -> list[tuple[int, ...]]:
