@@ -110,7 +110,7 @@ class _Batch:
     present: np.ndarray | None  # per run, its local label (``None``: every label has a run, in order)
     cols: np.ndarray  # the units' strategy columns, per side and group
     label_of: np.ndarray  # per entry of ``cols``, its local label
-    pairs: np.ndarray  # pair columns, one row per local label (its pairs with the other side); -1: none
+    pairs: np.ndarray  # pair columns, one row per local label (its pairs with the other side); -1: none at all
     other: np.ndarray  # per entry of ``pairs``, the other side's local label
     rows: np.ndarray  # where each local label's row of ``pairs`` starts
     repeated: bool  # some unit is on both sides of a group (``cols`` repeats a column)
@@ -208,6 +208,12 @@ def _batch(problem: PlacementProblem, layout: Layout, members: list[int], src_at
         other_o.append(np.tile(base_o + np.arange(o), q))
         base_o, base_q = base_o + o, base_q + q
     lengths = np.concatenate([np.full(o, q) for o, q in zip(n_o, n_q)] + [np.full(q, o) for o, q in zip(n_o, n_q)])
+    pairs, other = np.concatenate(by_src + by_dst), np.concatenate(other_q + other_o)
+    # only the pairs with a column, but one entry (no pairing: inf) for a label with none
+    row_of = np.repeat(np.arange(len(lengths)), lengths)
+    keep = pairs >= 0
+    keep[np.r_[0, np.cumsum(lengths)[:-1]][np.bincount(row_of, weights=keep, minlength=len(lengths)) == 0]] = True
+    counts = np.bincount(row_of[keep], minlength=len(lengths))
     present = np.concatenate(runs)
     cols_all = np.concatenate(cols)
     return _Batch(
@@ -217,9 +223,9 @@ def _batch(problem: PlacementProblem, layout: Layout, members: list[int], src_at
         None if np.array_equal(present, np.arange(base)) else present,
         cols_all,
         np.concatenate(label_of),
-        np.concatenate(by_src + by_dst),
-        np.concatenate(other_q + other_o),
-        np.r_[0, np.cumsum(lengths)[:-1]],
+        pairs[keep],
+        other[keep],
+        np.r_[0, np.cumsum(counts)[:-1]],
         len(np.unique(cols_all)) < len(cols_all),
     )
 
@@ -238,7 +244,7 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
     belief = np.full(model.n_cols, np.inf)
     belief[plan.units] = open_[plan.units]
     msg = np.zeros(len(plan.rows))
-    sweeps = [[(b, np.where(b.pairs >= 0, open_[b.pairs], np.inf)) for b in side] for side in plan.sides]
+    sweeps = [[_prices(b, belief, open_) for b in side] for side in plan.sides]
 
     def exact() -> float:
         y[plan.rows] = msg
@@ -254,10 +260,16 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
     floor = _STALL * abs(objective)
     for sweep in range(MAX_SWEEPS):
         with np.errstate(invalid="ignore"):  # inf - inf where a label has no strategy: masked below
-            for b, t in sweeps[sweep % 2]:  # alternate: news travels both ways
+            for b, t, unpaired, none in sweeps[sweep % 2]:  # alternate: news travels both ways
                 old = msg[b.labels]
-                m = b.least(belief) - old
-                new = _half_step(np.minimum.reduceat(t + m[b.other], b.rows), m)
+                m = b.least(belief)
+                m -= old
+                new = np.minimum.reduceat(t + m[b.other], b.rows)
+                new -= m  # half the gap between each label's best pairing and its own belief
+                new *= 0.5
+                if unpaired is not None:  # a label no pair takes is priced out, one with no strategy left be
+                    new[unpaired] = _CAP
+                    new[none] = 0.0
                 change = (new - old)[b.label_of]
                 if b.repeated:
                     np.add.at(belief, b.cols, change)
@@ -292,10 +304,14 @@ def _may_reach(rise: float, previous: float, short: float, sweeps: int, floor: f
     return _REACH * rise * ratio / (1 - ratio) >= short
 
 
-def _half_step(to: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """A group's new message to one side: half the gap between its best pairing and the side's
-    own belief, per label (0 for a label the side has no strategy for; capped where no pairing is)."""
-    out = 0.5 * (to - m)
-    np.clip(out, -_CAP, _CAP, out=out)
-    out[~np.isfinite(m)] = 0.0
-    return out
+def _prices(b: _Batch, belief: np.ndarray, open_: np.ndarray) -> tuple:
+    """A batch's pairs' reduced costs at the start (inf: no pairing), and its labels that no pair
+    can take and those with no strategy (``None``: none of either). Both stay as they are: a
+    strategy or pair held at 0 is inf throughout and the messages are finite."""
+    t = np.where(b.pairs >= 0, open_[b.pairs], np.inf)
+    none = ~np.isfinite(b.least(belief))
+    with np.errstate(invalid="ignore"):
+        unpaired = ~np.isfinite(np.minimum.reduceat(t + np.where(none, np.inf, 0.0)[b.other], b.rows)) & ~none
+    if not (unpaired.any() or none.any()):
+        return b, t, None, None
+    return b, t, np.flatnonzero(unpaired), np.flatnonzero(none)
