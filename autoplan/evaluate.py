@@ -233,7 +233,9 @@ def alternatives(
             + ((hideable[segment_of[e]], budget.get(segment_of[e], 0.0)) if segment_of[e] else ())
             for e in touching[n]
         )
-        key = (_node_key(n), s0, hash(opts), context)
+        # the options by identity (copies of a layer share their representative's tuple): hashing
+        # hundreds of strategies per node was most of the time on a 3-D mesh
+        key = (_node_key(n), s0, id(opts), context)
         if key not in memo:
             metas = [tensor_meta(e.value.meta["val"]) for e in touching[n]]
             compute = strategy_costs(n, (s0, *opts), cost_model)  # the op's FLOPs worked out once
