@@ -239,12 +239,7 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
     The checks between sweeps read the bound off the beliefs (each unit's least, the rest as at
     the start: the edge rows' multipliers move only unit and pair columns, and the steps keep
     the pairs' reduced costs >= 0); the bound returned is worked out in full."""
-    d0 = model.cost - np.bincount(model.entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
-    open_ = np.where(model.col_ub > 0, d0, np.inf)  # a column held at 0 is no strategy and no pairing
-    belief = np.full(model.n_cols, np.inf)
-    belief[plan.units] = open_[plan.units]
-    msg = np.zeros(len(plan.rows))
-    sweeps = [[_prices(b, belief, open_) for b in side] for side in plan.sides]
+    open_, belief, msg, sweeps = _start(plan, model, y)
 
     def exact() -> float:
         y[plan.rows] = msg
@@ -259,23 +254,7 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
     target, rise = objective - gap * abs(objective), np.inf
     floor = _STALL * abs(objective)
     for sweep in range(MAX_SWEEPS):
-        with np.errstate(invalid="ignore"):  # inf - inf where a label has no strategy: masked below
-            for b, t, unpaired, none in sweeps[sweep % 2]:  # alternate: news travels both ways
-                old = msg[b.labels]
-                m = b.least(belief)
-                m -= old
-                new = np.minimum.reduceat(t + m[b.other], b.rows)
-                new -= m  # half the gap between each label's best pairing and its own belief
-                new *= 0.5
-                if unpaired is not None:  # a label no pair takes is priced out, one with no strategy left be
-                    new[unpaired] = _CAP
-                    new[none] = 0.0
-                change = (new - old)[b.label_of]
-                if b.repeated:
-                    np.add.at(belief, b.cols, change)
-                else:
-                    belief[b.cols] += change
-                msg[b.labels] = new
+        _sweep(sweeps[sweep % 2], belief, msg)  # alternate: news travels both ways
         if (sweep + 1) % _CHECK:
             continue
         bound = rest + leasts()
@@ -290,6 +269,40 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
             break
         rise, last = bound - last, bound
     return max(best, exact())
+
+
+def _start(plan: _Sweeps, model: LinearModel, y: np.ndarray) -> tuple:
+    """The ascent's state at ``y`` with the edge rows' multipliers at 0: every column's reduced
+    cost (inf where held at 0), the units' beliefs, the flat messages, and each sweep's batches
+    with their prices (``_prices``)."""
+    d0 = model.cost - np.bincount(model.entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
+    open_ = np.where(model.col_ub > 0, d0, np.inf)  # a column held at 0 is no strategy and no pairing
+    belief = np.full(model.n_cols, np.inf)
+    belief[plan.units] = open_[plan.units]
+    sweeps = [[_prices(b, belief, open_) for b in side] for side in plan.sides]
+    return open_, belief, np.zeros(len(plan.rows)), sweeps
+
+
+def _sweep(batches: list[tuple], belief: np.ndarray, msg: np.ndarray) -> None:
+    """One sweep, batch by batch: each group reads its two units' beliefs less its own messages,
+    per label, and splits the best pairing of each label evenly between them."""
+    with np.errstate(invalid="ignore"):  # inf - inf where a label has no strategy: set below
+        for b, t, unpaired, none in batches:
+            old = msg[b.labels]
+            m = b.least(belief)
+            m -= old
+            new = np.minimum.reduceat(t + m[b.other], b.rows)
+            new -= m  # half the gap between each label's best pairing and its own belief
+            new *= 0.5
+            if unpaired is not None:  # a label no pair takes is priced out, one with no strategy left be
+                new[unpaired] = _CAP
+                new[none] = 0.0
+            change = (new - old)[b.label_of]
+            if b.repeated:
+                np.add.at(belief, b.cols, change)
+            else:
+                belief[b.cols] += change
+            msg[b.labels] = new
 
 
 def _may_reach(rise: float, previous: float, short: float, sweeps: int, floor: float) -> bool:
