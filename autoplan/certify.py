@@ -132,7 +132,7 @@ class _Sweeps:
 
     units: np.ndarray  # every unit strategy column, unit by unit
     unit_starts: np.ndarray  # where each unit's columns start
-    sides: tuple[tuple[_Batch, ...], tuple[_Batch, ...]]  # a sweep in the groups' order, and in reverse
+    ways: tuple[tuple[_Batch, ...], tuple[_Batch, ...]]  # a sweep in the groups' order, and in reverse
     rows: np.ndarray
     pairs: np.ndarray  # every pair column
 
@@ -279,7 +279,7 @@ def _start(plan: _Sweeps, model: LinearModel, y: np.ndarray) -> tuple:
     open_ = np.where(model.col_ub > 0, d0, np.inf)  # a column held at 0 is no strategy and no pairing
     belief = np.full(model.n_cols, np.inf)
     belief[plan.units] = open_[plan.units]
-    sweeps = [[_prices(b, belief, open_) for b in side] for side in plan.sides]
+    sweeps = [[_prices(b, belief, open_) for b in way] for way in plan.ways]
     return open_, belief, np.zeros(len(plan.rows)), sweeps
 
 
