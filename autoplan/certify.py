@@ -287,15 +287,15 @@ def _sweep(batches: list[tuple], belief: np.ndarray, msg: np.ndarray) -> None:
     """One sweep, batch by batch: each group reads its two units' beliefs less its own messages,
     per label, and splits the best pairing of each label evenly between them."""
     with np.errstate(invalid="ignore"):  # inf - inf where a label has no strategy: set below
-        for b, t, unpaired, none in batches:
+        for b, t, none in batches:
             old = msg[b.labels]
             m = b.least(belief)
             m -= old
             new = np.minimum.reduceat(t + m[b.other], b.rows)
             new -= m  # half the gap between each label's best pairing and its own belief
             new *= 0.5
-            if unpaired is not None:  # a label no pair takes is priced out, one with no strategy left be
-                new[unpaired] = _CAP
+            np.clip(new, -_CAP, _CAP, out=new)  # a label no pair takes is priced out
+            if none is not None:  # one with no strategy is left be
                 new[none] = 0.0
             change = (new - old)[b.label_of]
             if b.repeated:
@@ -318,13 +318,9 @@ def _may_reach(rise: float, previous: float, short: float, sweeps: int, floor: f
 
 
 def _prices(b: _Batch, belief: np.ndarray, open_: np.ndarray) -> tuple:
-    """A batch's pairs' reduced costs at the start (inf: no pairing), and its labels that no pair
-    can take and those with no strategy (``None``: none of either). Both stay as they are: a
-    strategy or pair held at 0 is inf throughout and the messages are finite."""
+    """A batch's pairs' reduced costs at the start (inf: no pairing), and its labels with no
+    strategy (``None``: none). These stay so: a strategy held at 0 is inf throughout, and the
+    messages are finite."""
     t = np.where(b.pairs >= 0, open_[b.pairs], np.inf)
-    none = ~np.isfinite(b.least(belief))
-    with np.errstate(invalid="ignore"):
-        unpaired = ~np.isfinite(np.minimum.reduceat(t + np.where(none, np.inf, 0.0)[b.other], b.rows)) & ~none
-    if not (unpaired.any() or none.any()):
-        return b, t, None, None
-    return b, t, np.flatnonzero(unpaired), np.flatnonzero(none)
+    none = np.flatnonzero(~np.isfinite(b.least(belief)))
+    return b, t, none if len(none) else None

@@ -5,6 +5,7 @@ import dataclasses
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import fake_mesh
@@ -295,13 +296,98 @@ def test_a_sweep_batched_by_level_is_the_sweep_in_order():
                     assert level_of[i] < level_of[j]
 
 
+def _plain_sweeps(problem, layout, open_, n):
+    """The certificate's ascent written plainly: a dense pair matrix and a message vector per side
+    of each group, one group at a time in the groups' order and back. Returns each unit's beliefs
+    and the flat messages (every group's producer side, then every consumer side)."""
+    import numpy as np
+
+    import autoplan.certify as certify_module
+
+    beliefs = {u: open_[layout.offsets[u] + np.arange(len(layout.kept[u]))].copy() for u in problem.units}
+    steps = []
+    for g, (cols, oi, qi), (src, dst) in zip(problem.edges, layout.edges, layout.marginals):
+        t = np.full((len(src), len(dst)), np.inf)
+        t[oi, qi] = open_[cols]
+        labels = (g.src_label[layout.kept[g.src]], g.dst_label[layout.kept[g.dst]])
+        steps.append((g, t, labels, np.zeros(len(src)), np.zeros(len(dst))))
+
+    def least(values, labels, n):
+        out = np.full(n, np.inf)
+        np.minimum.at(out, labels, values)
+        return out
+
+    def half(to, m):
+        out = np.clip(0.5 * (to - m), -certify_module._CAP, certify_module._CAP)
+        out[~np.isfinite(m)] = 0.0
+        return out
+
+    with np.errstate(invalid="ignore"):
+        for sweep in range(n):
+            for g, t, (sl, dl), alpha, beta in steps if sweep % 2 == 0 else reversed(steps):
+                ma = least(beliefs[g.src], sl, len(alpha)) - alpha
+                mb = least(beliefs[g.dst], dl, len(beta)) - beta
+                new_a, new_b = half((t + mb).min(axis=1), ma), half((t.T + ma).min(axis=1), mb)
+                beliefs[g.src] += (new_a - alpha)[sl]
+                beliefs[g.dst] += (new_b - beta)[dl]
+                alpha[:], beta[:] = new_a, new_b
+    return beliefs, np.concatenate([a for *_, a, _ in steps] + [b for *_, b in steps])
+
+
+def _batched_sweeps(plan, belief, open_, n):
+    import autoplan.certify as certify_module
+
+    msg = np.zeros(len(plan.rows))
+    sweeps = [[certify_module._prices(b, belief, open_) for b in way] for way in plan.ways]
+    for sweep in range(n):
+        certify_module._sweep(sweeps[sweep % 2], belief, msg)
+    return msg
+
+
+def test_a_batched_sweep_on_random_groups_moves_every_message_as_in_turn():
+    """Random small problems with what the LLaMA ones lack: strategies held at 0 (a label with no
+    strategy left), pairs without a column (a label no pair takes, priced out at the cap), a group
+    whose two sides are one unit, and costs large enough that the cap clamps finite messages."""
+    from types import SimpleNamespace
+
+    from autoplan.certify import Layout, _Sweeps
+
+    rng = np.random.default_rng(0)
+    for case in range(60):
+        n_units, scale = int(rng.integers(2, 6)), 10.0 ** rng.integers(0, 10)
+        kept = {u: np.arange(int(rng.integers(1, 5))) for u in range(n_units)}
+        offsets = dict(zip(range(n_units), np.cumsum([0] + [len(k) for k in kept.values()])[:-1].tolist()))
+        at = sum(len(k) for k in kept.values())
+        groups, edges, marginals, rows = [], [], [], 0
+        for _ in range(int(rng.integers(1, 8))):
+            src, dst = int(rng.integers(n_units)), int(rng.integers(n_units))
+            n_o, n_q = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+            src_label, dst_label = rng.integers(0, n_o, len(kept[src])), rng.integers(0, n_q, len(kept[dst]))
+            oi, qi = np.nonzero(rng.random((n_o, n_q)) < 0.7)
+            edges.append((at + np.arange(len(oi)), oi, qi))
+            at += len(oi)
+            marginals.append((rows + np.arange(n_o), rows + n_o + np.arange(n_q)))
+            rows += n_o + n_q
+            groups.append(SimpleNamespace(src=src, dst=dst, src_label=src_label, dst_label=dst_label))
+        open_ = rng.random(at) * scale
+        open_[rng.random(at) < 0.15] = np.inf  # held at 0
+        problem = SimpleNamespace(units=list(range(n_units)), edges=groups)
+        layout = Layout(kept, offsets, edges, marginals, np.zeros(0, int), np.zeros(0, int))
+        plan = _Sweeps.of(problem, layout)
+        belief = np.full(at, np.inf)
+        belief[plan.units] = open_[plan.units]
+        msg = _batched_sweeps(plan, belief, open_, 7)
+        beliefs, flat = _plain_sweeps(problem, layout, open_, 7)
+        for u in problem.units:
+            assert np.array_equal(belief[offsets[u] + kept[u]], beliefs[u]), case
+        assert np.array_equal(msg, flat), case
+
+
 def test_a_batched_sweep_moves_every_message_as_the_groups_in_turn_would(monkeypatch):
     """The certificate's batched sweeps (levels, both sides of a batch in one vector step, pairs
     without a column left out) against the ascent written plainly, one edge group at a time in
     the groups' order and back: after three sweeps every belief and message is the same, bit for
     bit, on both boundary re-solves of a 4-layer LLaMA."""
-    import numpy as np
-
     import autoplan.certify as certify_module
     import autoplan.ilp as ilp_module
     from solvers.bound import tightened
@@ -320,37 +406,9 @@ def test_a_batched_sweep_moves_every_message_as_the_groups_in_turn_would(monkeyp
     for problem, layout, model in seen:
         model = tightened(model)
         plan = certify_module._Sweeps.of(problem, layout)
-        open_, belief, msg, sweeps = certify_module._start(plan, model, np.zeros(model.n_rows))
-        # the plain ascent: a dense pair matrix and a message vector per side of each group
-        beliefs = {u: belief[layout.offsets[u] + np.arange(len(layout.kept[u]))].copy() for u in problem.units}
-        steps = []
-        for g, (cols, oi, qi), (src, dst) in zip(problem.edges, layout.edges, layout.marginals):
-            t = np.full((len(src), len(dst)), np.inf)
-            t[oi, qi] = open_[cols]
-            labels = (g.src_label[layout.kept[g.src]], g.dst_label[layout.kept[g.dst]])
-            steps.append((g, t, labels, np.zeros(len(src)), np.zeros(len(dst))))
-
-        def least(values, labels, n):
-            out = np.full(n, np.inf)
-            np.minimum.at(out, labels, values)
-            return out
-
-        def half(to, m):
-            out = np.clip(0.5 * (to - m), -certify_module._CAP, certify_module._CAP)
-            out[~np.isfinite(m)] = 0.0
-            return out
-
-        for sweep in range(3):
-            certify_module._sweep(sweeps[sweep % 2], belief, msg)
-            with np.errstate(invalid="ignore"):
-                for g, t, (sl, dl), alpha, beta in steps if sweep % 2 == 0 else reversed(steps):
-                    ma = least(beliefs[g.src], sl, len(alpha)) - alpha
-                    mb = least(beliefs[g.dst], dl, len(beta)) - beta
-                    new_a, new_b = half((t + mb).min(axis=1), ma), half((t.T + ma).min(axis=1), mb)
-                    beliefs[g.src] += (new_a - alpha)[sl]
-                    beliefs[g.dst] += (new_b - beta)[dl]
-                    alpha[:], beta[:] = new_a, new_b
+        open_, belief, _, _ = certify_module._start(plan, model, np.zeros(model.n_rows))
+        msg = _batched_sweeps(plan, belief, open_, 3)
+        beliefs, flat = _plain_sweeps(problem, layout, open_, 3)
         for u in problem.units:
             assert np.array_equal(belief[layout.offsets[u] + np.arange(len(layout.kept[u]))], beliefs[u])
-        flat = np.concatenate([a for *_, a, _ in steps] + [b for *_, b in steps])
         assert np.array_equal(msg, flat) and np.any(flat != 0)
