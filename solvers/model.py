@@ -106,7 +106,7 @@ class LinearModel:
         fixed = fixed.copy()
         fixed[self.csr_col[closed[entry_row] & free_entry]] = True
         keep = ~fixed
-        in_csc = np.repeat(keep, np.diff(self.csc_start))
+        in_csc = keep[self.entry_col]
         in_csr = keep[self.csr_col]
         new_col = np.cumsum(keep) - 1
         names = self.col_names
