@@ -9,7 +9,7 @@ import collections
 import itertools
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,13 +18,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils.flop_counter import flop_registry
 
-from autoplan import attention
 from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_transitions, shape_free, shard_dim
 from autoplan.devices import H100_SXM, DeviceProfile, LinkKind
 
-aten = torch.ops.aten
 # a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
 Price = Callable[[Placements, Placements, Any], float]
 # a price over every (source, destination) pair of two placement lists: one row per source
@@ -352,43 +349,6 @@ def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile:
         else:
             total += transfer_seconds(t, topology, profile)
     return total
-
-
-# ---------------------------------------------------------------------------------------------- FLOPs
-
-
-def _sdpa_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], is_causal: bool) -> float:
-    """QK^T plus PV (2*b*h*s_q*s_kv*(d_qk + d_v)); a causal mask skips about half the blocks.
-
-    ``h`` is the query heads: with grouped-query attention every query head still multiplies
-    against a full key/value sequence, whatever the number of key/value heads.
-    """
-    b, h, s_q, d_qk = q_shape
-    s_kv, d_v = k_shape[-2], v_shape[-1]
-    flops = 2 * b * h * s_q * s_kv * (d_qk + d_v)
-    return flops / 2 if is_causal else flops
-
-
-def _sdpa_kernel_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
-    """Forward: 2 GEMMs. Backward (flash-style) recomputes the scores and runs four more: 2.5x the forward."""
-    spec = attention.SDPA_OPS[op]
-    q, k, v = (spec.arg(args, kwargs, role) for role in ("query", "key", "value"))
-    flops = _sdpa_flops(q.shape, k.shape, v.shape, attention.is_causal(spec, args, kwargs))
-    return 2.5 * flops if spec.backward else flops
-
-
-def node_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> float:
-    """Global FLOPs of one aten call; works on fake/meta tensors since only shapes are read; 0 without a formula.
-
-    Attention kernels use autoplan's formula even where torch's flop counter has one: that one
-    ignores the causal mask, which halves the work.
-    """
-    if op in attention.SDPA_OPS:
-        return float(_sdpa_kernel_flops(op, args, kwargs))
-    packet = op.overloadpacket
-    if packet in flop_registry:
-        return float(flop_registry[packet](*args, **kwargs, out_val=out))
-    return 0.0
 
 
 # ---------------------------------------------------------------------------------------------- model

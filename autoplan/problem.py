@@ -24,7 +24,8 @@ import torch.fx as fx
 from autoplan import overlap
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering
-from autoplan.costs import CostModel, Matrix, Price, compute_dtype, node_flops, pairwise
+from autoplan.costs import CostModel, Matrix, Price, compute_dtype, pairwise
+from autoplan.flops import node_flops
 from autoplan.progress import progress
 from autoplan.strategies import (
     NodeStrategies,

@@ -15,7 +15,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel, attention
-from autoplan.costs import node_flops
+from autoplan.flops import node_flops
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.strategies import StrategyBuilder, enumerate_strategies
 from autoplan.tracing import trace_joint

@@ -17,10 +17,10 @@ from autoplan.costs import (
     flat_collective_seconds,
     local_bytes,
     local_shape,
-    node_flops,
 )
 from autoplan.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, resolve_profile
 from autoplan.errors import ConstraintError
+from autoplan.flops import node_flops
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
