@@ -392,7 +392,6 @@ class CostModel:
         self._matrices: dict[tuple, np.ndarray] = {}
         self._templates: dict[tuple, tuple[_Step, ...] | None] = {}  # DTensor's steps per placement pair (``_steps``)
         self._derived: dict[tuple, tuple[object, Any]] = {}
-        self._searches: dict[tuple, Any] = {}  # what DTensor's searches reuse (``redistribute_transitions``'s memo)
         self._kinds: dict[tuple, tuple | None] = {}  # per (source, target) placement: ``step_kinds`` and both dims
 
     def _id(self, placements: Placements) -> int:
@@ -424,9 +423,9 @@ class CostModel:
 
     def _steps(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple[_Step, ...] | None:
         """DTensor's per-mesh-dim steps as primitives, without sizes: ``None`` where DTensor cannot
-        run the move. Kept per placement pair and tensor rank where its steps ignore the shape (a
-        3-D mesh prices ~126 K (pair, shape) moves but only ~27 K pairs)."""
-        pair = (key[0], key[1], len(meta.shape))
+        run the move. Kept per placement pair where its steps ignore the shape (a 3-D mesh prices
+        ~126 K (pair, shape) moves but only ~27 K pairs)."""
+        pair = (key[0], key[1])
         found = self._templates.get(pair, _UNKNOWN)
         if found is _UNKNOWN:
             found = self._make_steps(src, dst, meta)
@@ -438,7 +437,7 @@ class CostModel:
         if mixed_partials(src) or mixed_partials(dst):
             return None
         steps = []
-        for mesh_dim, a, b in redistribute_transitions(self.mesh, src, dst, meta, self._searches):
+        for mesh_dim, a, b in redistribute_transitions(self.mesh, src, dst, meta):
             if self.topology.shape[mesh_dim] == 1:  # DTensor short-cuts these before checking the transition
                 continue
             found = self._kinds.get((a, b), _UNKNOWN)

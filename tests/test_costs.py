@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -397,20 +398,33 @@ def test_profiles_by_name():
     assert costs["b200"] < costs["h100"] < costs["a100"]
 
 
-def test_remembered_redistribute_steps_are_dtensors_own():
-    """Steps asked of DTensor once per placement pair and reused for other shapes (uneven ones too)
-    carry the same transitions and logical shapes as DTensor's search for that very tensor."""
+@pytest.mark.parametrize(
+    "shape, choices",
+    [
+        ((4, 2, 3), (R, P, Shard(0), Shard(1))),
+        ((2, 1, 3), (R, P, Shard(0), Shard(2))),  # a size-1 mesh dim splits nothing
+        ((1, 1), (R, P, Partial("max"), Shard(0), Shard(1))),  # a source split nowhere: one pass
+        ((8,), (R, P, Partial("avg"), Shard(0), Shard(1), Shard(2))),
+    ],
+)
+def test_redistribute_steps_are_dtensors_own(shape, choices):
+    """The steps worked out from the placements alone are DTensor's own search's for every pair of
+    placements, with its logical shapes, on even and uneven tensors (7 and 10 split unevenly)."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    from autoplan.adapters.dtensor import make_spec
+
     init_fake_world()
-    mesh = fake_mesh((4, 2, 3))
-    choices = (R, P, Shard(0), Shard(1))
-    placements = [(a, b, c) for a in choices for b in choices for c in choices]
-    first, other = meta(96, 48), meta(7, 10)  # 7 and 10 split unevenly over 4, 2 and 3
-    memo: dict = {}
-    for src in placements:
-        for dst in placements:
-            redistribute_steps(mesh, src, dst, first, memo)
-            assert redistribute_steps(mesh, src, dst, other, memo) == redistribute_steps(mesh, src, dst, other)
-    assert len(memo) > 1000
+    mesh = fake_mesh(shape)
+    placements = list(itertools.product(choices, repeat=len(shape)))
+    rank = 1 + max(p.dim for p in choices if isinstance(p, Shard))
+    for m in (meta(*(96, 48, 24)[:rank]), meta(*(7, 10, 5)[:rank])):
+        for src in placements:
+            for dst in placements:
+                infos = _gen_transform_infos(make_spec(mesh, src, m), make_spec(mesh, dst, m))
+                theirs = tuple((i.mesh_dim, *i.src_dst_placements, tuple(i.logical_shape)) for i in infos)
+                ours = tuple((s.mesh_dim, s.src, s.dst, s.logical_shape) for s in redistribute_steps(mesh, src, dst, m))
+                assert ours == theirs, (src, dst, m.shape)
 
 
 def test_every_rank_prices_an_uneven_move_alike():
