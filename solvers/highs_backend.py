@@ -23,6 +23,8 @@ _LIMIT_STATUSES = (
     "kMemoryLimit",
 )
 
+_PROBING = 1 << 15  # HiGHS's presolve rule bit for probing
+
 
 def available() -> bool:
     return importlib.util.find_spec("highspy") is not None
@@ -54,6 +56,8 @@ def _new_highs(highspy: Any, opts: SolverOptions) -> Any:
     h.setOptionValue("output_flag", opts.verbose)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("presolve", "on" if opts.presolve else "off")
+    if not opts.probing and h.setOptionValue("presolve_rule_off", _PROBING) != highspy.HighsStatus.kOk:
+        raise RuntimeError("this HiGHS refuses presolve_rule_off: probing cannot be switched off")
     h.setOptionValue("mip_rel_gap", float(opts.mip_rel_gap))
     if opts.time_limit is not None:
         h.setOptionValue("time_limit", max(float(opts.time_limit), 0.0))

@@ -77,6 +77,7 @@ class SolverOptions:
     threads: int | None = None
     verbose: bool = False
     presolve: bool = True
+    probing: bool = True  # HiGHS's MIP presolve probes binaries (other backends ignore it)
     start: np.ndarray | None = field(default=None, compare=False)  # a feasible point the MIP search starts from
 
 

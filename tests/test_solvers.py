@@ -328,17 +328,26 @@ def test_the_relaxation_runs_without_presolve_and_the_mip_with_it(monkeypatch):
     assert runs[0] == (False, False) and runs[-1] == (True, True)
 
 
+def test_a_mip_without_probing_finds_the_same_optimum():
+    """The HiGHS option that switches probing off is one HiGHS takes (it refuses unknown ones)."""
+    for probing in (True, False):
+        raw = solve_highs(knapsack_model(), True, SolverOptions(probing=probing))
+        assert raw.status is SolveStatus.OPTIMAL
+        assert raw.bound == pytest.approx(knapsack_brute_force())
+
+
 def test_a_neighbourhood_mip_around_the_fractional_columns_spares_the_full_search(monkeypatch):
     """Independent knapsacks: the LP leaves one item of each tight block fractional. Freeing the
     columns that share a row with those (the rest fixed at the LP's values) already gives the
     optimum, so the full MIP never runs."""
     solve_module = importlib.import_module("solvers.solve")
-    free_counts = []
+    free_counts, probed = [], []
     real = solve_module._BACKENDS["highs"]
 
     def counting(m, integral, o):
         if integral:
             free_counts.append(int(np.count_nonzero(m.integer & (m.col_lb != m.col_ub))))
+            probed.append(o.probing)
         return real(m, integral, o)
 
     monkeypatch.setitem(solve_module._BACKENDS, "highs", counting)
@@ -355,6 +364,7 @@ def test_a_neighbourhood_mip_around_the_fractional_columns_spares_the_full_searc
     res = solve(model, mip_rel_gap=0.04)
     assert res.gap <= 0.04 and res.status is SolveStatus.FEASIBLE
     assert free_counts and all(0 < c < model.n_integer for c in free_counts)
+    assert not any(probed)  # HiGHS's probing is most of a small neighbourhood MIP's time
     exact = solve(model, lp_first=False, mip_rel_gap=1e-9).objective
     assert res.objective - exact <= 0.04 * abs(exact)
 
