@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -385,7 +384,6 @@ class CostModel:
         self.topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
         # Keyed by ``_key``; mesh and profile are fixed per instance.
         self._ids: dict[Placements, int] = {}
-        self._numbering = threading.Lock()
         self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}
         self._costs: dict[tuple, float] = {}
@@ -400,11 +398,8 @@ class CostModel:
         placements = tuple(placements)
         found = self._ids.get(placements)
         if found is None:
-            with self._numbering:  # re-solves price in threads: a number must name one tuple
-                found = self._ids.get(placements)
-                if found is None:
-                    self._dims.append(tuple(shard_dim(p) for p in placements))
-                    found = self._ids[placements] = len(self._dims) - 1
+            self._dims.append(tuple(shard_dim(p) for p in placements))
+            found = self._ids[placements] = len(self._dims) - 1
         return found
 
     def _key(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple:
