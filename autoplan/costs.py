@@ -385,10 +385,14 @@ class CostModel:
         # Keyed by ``_key``; mesh and profile are fixed per instance.
         self._ids: dict[Placements, int] = {}
         self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
-        self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}
-        self._costs: dict[tuple, float] = {}
+        self._splits: dict[tuple[int | None, ...], int] = {}  # a number per distinct ``_dims`` entry
+        self._split_of: list[int] = []  # per id: its ``_dims`` entry's number
+        self._costs: dict[tuple, float] = {}  # by ``_key``
+        self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}  # by ``_move``
+        self._seconds: dict[tuple, float] = {}  # by ``_move``
         self._matrices: dict[tuple, np.ndarray] = {}
-        self._templates: dict[tuple, tuple[_Step, ...] | None] = {}  # DTensor's steps per placement pair (``_steps``)
+        self._templates: dict[tuple, tuple[int, tuple[_Step, ...] | None]] = {}  # per placement pair (``_steps``)
+        self._template_ids: dict[tuple[_Step, ...] | None, int] = {}  # a number per distinct steps
         self._derived: dict[tuple, tuple[object, Any]] = {}
         self._kinds: dict[tuple, tuple | None] = {}  # per (source, target) placement: ``step_kinds`` and both dims
 
@@ -398,7 +402,9 @@ class CostModel:
         placements = tuple(placements)
         found = self._ids.get(placements)
         if found is None:
-            self._dims.append(tuple(shard_dim(p) for p in placements))
+            dims = tuple(shard_dim(p) for p in placements)
+            self._dims.append(dims)
+            self._split_of.append(self._splits.setdefault(dims, len(self._splits)))
             found = self._ids[placements] = len(self._dims) - 1
         return found
 
@@ -406,24 +412,35 @@ class CostModel:
         """Everything a redistribution's cost depends on besides the (per-instance) mesh and profile."""
         return (self._id(src), self._id(dst), *_tensor_key(meta))
 
+    def _move(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple:
+        """What a move's primitives depend on: its steps (numbered), the tensor dims its source
+        splits and the tensor (``_key``'s tensor part). Pairs that take the same steps from sources
+        split alike (e.g. differing only in a Partial or Replicate on a mesh dim no step touches)
+        move alike: of the ~126 K (pair, tensor) moves a 3-D mesh prices, ~42% repeat another's."""
+        return (self._steps(src, dst, meta, key)[0], self._split_of[key[0]], *key[2:])
+
     def _plan(
         self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple | None = None
     ) -> tuple[Transfer, ...] | None:
         """The move's primitives (``None`` where DTensor cannot run it); ``key``: its ``_key``."""
         key = self._key(src, dst, meta) if key is None else key
-        found = self._plans.get(key, _UNKNOWN)
+        move = self._move(src, dst, meta, key)
+        found = self._plans.get(move, _UNKNOWN)
         if found is _UNKNOWN:
-            found = self._plans[key] = self._build_plan(tuple(src), tuple(dst), meta, key)
+            found = self._plans[move] = self._build_plan(self._steps(src, dst, meta, key)[1], meta, key[0])
         return found
 
-    def _steps(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple[_Step, ...] | None:
-        """DTensor's per-mesh-dim steps as primitives, without sizes: ``None`` where DTensor cannot
-        run the move. Kept per placement pair where its steps ignore the shape (a 3-D mesh prices
-        ~126 K (pair, shape) moves but only ~27 K pairs)."""
+    def _steps(
+        self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple
+    ) -> tuple[int, tuple[_Step, ...] | None]:
+        """DTensor's per-mesh-dim steps as primitives, without sizes (``None`` where DTensor cannot
+        run the move), and a number per distinct steps. Kept per placement pair where its steps
+        ignore the shape (a 3-D mesh prices ~126 K (pair, shape) moves but only ~27 K pairs)."""
         pair = (key[0], key[1])
-        found = self._templates.get(pair, _UNKNOWN)
-        if found is _UNKNOWN:
-            found = self._make_steps(src, dst, meta)
+        found = self._templates.get(pair)
+        if found is None:
+            steps = self._make_steps(src, dst, meta)
+            found = (self._template_ids.setdefault(steps, len(self._template_ids)), steps)
             if shape_free(src, dst):
                 self._templates[pair] = found
         return found
@@ -444,17 +461,15 @@ class CostModel:
             steps.append(_Step(mesh_dim, *found))
         return tuple(steps)
 
-    def _build_plan(
-        self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple
-    ) -> tuple[Transfer, ...] | None:
-        """Map DTensor's own steps to primitives, with the re-layout copies collectives make (on
-        non-leading dims, of non-contiguous inputs); size-1 mesh dims are skipped, as DTensor does."""
-        steps = self._steps(src, dst, meta, key)
+    def _build_plan(self, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int) -> tuple[Transfer, ...] | None:
+        """Map DTensor's own steps (from the placements numbered ``src``) to primitives, with the
+        re-layout copies collectives make (on non-leading dims, of non-contiguous inputs); size-1
+        mesh dims are skipped, as DTensor does."""
         if not steps:
             return steps
         transfers: list[Transfer] = []
         mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
-        current = list(self._dims[key[0]])  # the tensor dim each mesh dim splits, as the steps go
+        current = list(self._dims[src])  # the tensor dim each mesh dim splits, as the steps go
         contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
         after = split_shape(meta.shape, current, mesh_shape)
         for step in steps:
@@ -489,8 +504,13 @@ class CostModel:
     def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> float:
         found = self._costs.get(key)
         if found is None:
-            plan = self._plan(src, dst, meta, key)
-            found = self._costs[key] = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile)
+            move = self._move(src, dst, meta, key)
+            found = self._seconds.get(move)
+            if found is None:
+                plan = self._plan(src, dst, meta, key)
+                found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile)
+                self._seconds[move] = found
+            self._costs[key] = found
         return found
 
     def redistribute_costs(
