@@ -241,6 +241,12 @@ def _step_bytes(kind: TransferKind, size: int, n: int, made: int) -> int:
     return made if kind == "local" else size
 
 
+def _relayout(mesh_dim: int, shape: Sequence[int], itemsize: int) -> Transfer:
+    """The copy of a local ``shape`` that a collective makes around itself."""
+    nbytes = math.prod(shape) * itemsize
+    return Transfer("relayout", mesh_dim, nbytes, nbytes)
+
+
 def peak_buffer_bytes(transfers: Sequence[Transfer]) -> int:
     """The most bytes a redistribution's own buffers hold at once: each primitive's output is made
     while its input (the previous output; the source is not the move's) is still alive."""
@@ -331,10 +337,24 @@ def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
     }
 
 
-def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile) -> float:
+def plan_seconds(
+    transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict | None = None
+) -> float:
     """A redistribution's time. Gather pairs that the fusion pass merges are priced as the one
     collective that runs (over the flattened mesh), plus the local chunk transpose it needs when
-    the outer mesh dim was gathered first."""
+    the outer mesh dim was gathered first. ``memo``: each primitive's seconds by (kind, mesh dim,
+    bytes), kept by the caller for this topology and profile (a 3-D mesh's moves price ~300 K
+    primitives, a few thousand distinct)."""
+
+    def seconds(t: Transfer) -> float:
+        if memo is None:
+            return transfer_seconds(t, topology, profile)
+        key = (t.kind, t.mesh_dim, t.nbytes)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = transfer_seconds(t, topology, profile)
+        return found
+
     fused = fused_gather_pairs(transfers, len(topology.shape))
     total, skip = 0.0, False
     for i, t in enumerate(transfers):
@@ -343,10 +363,10 @@ def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile:
         elif i in fused:
             total += collective_seconds("all_gather", topology.flat, transfers[i + 1].nbytes, profile)
             if t.mesh_dim < transfers[i + 1].mesh_dim:
-                total += transfer_seconds(Transfer("relayout", 0, transfers[i + 1].made), topology, profile)
+                total += seconds(Transfer("relayout", 0, transfers[i + 1].made))
             skip = True
         else:
-            total += transfer_seconds(t, topology, profile)
+            total += seconds(t)
     return total
 
 
@@ -391,6 +411,8 @@ class CostModel:
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}  # by ``_move``
         self._seconds: dict[tuple, float] = {}  # by ``_move``
         self._matrices: dict[tuple, np.ndarray] = {}
+        self._local_shapes: dict[tuple, tuple[int, ...]] = {}  # by (shape, tensor dim each mesh dim splits)
+        self._transfer_s: dict[tuple, float] = {}  # by (kind, mesh dim, bytes)
         self._templates: dict[tuple, tuple[int, tuple[_Step, ...] | None]] = {}  # per placement pair (``_steps``)
         self._template_ids: dict[tuple[_Step, ...] | None, int] = {}  # a number per distinct steps
         self._derived: dict[tuple, tuple[object, Any]] = {}
@@ -471,12 +493,12 @@ class CostModel:
         mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
         current = list(self._dims[src])  # the tensor dim each mesh dim splits, as the steps go
         contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
-        after = split_shape(meta.shape, current, mesh_shape)
+        after = self._local_shape(meta.shape, current)
         for step in steps:
             n = mesh_shape[step.mesh_dim]
             before = after
             current[step.mesh_dim] = step.dst_dim
-            after = split_shape(meta.shape, current, mesh_shape)
+            after = self._local_shape(meta.shape, current)
             size = math.prod(before) * itemsize  # the local bytes the next primitive reads
             for k in step.kinds:
                 copies = relayout_copies(k, step.src_dim, step.dst_dim, before, after)
@@ -486,16 +508,21 @@ class CostModel:
                 made = _made_bytes(k, size, n, math.prod(after) * itemsize)
                 primitive = Transfer(k, step.mesh_dim, _step_bytes(k, size, n, made), made)
                 if copies:  # in the order they run: copies of the input before the collective, of its output after
-                    relayouts = [
-                        Transfer("relayout", step.mesh_dim, b, b) for b in (math.prod(c) * itemsize for c in copies)
-                    ]
-                    transfers.extend(r for c, r in zip(copies, relayouts) if c is before)
+                    transfers += [_relayout(step.mesh_dim, c, itemsize) for c in copies if c is before]
                     transfers.append(primitive)
-                    transfers.extend(r for c, r in zip(copies, relayouts) if c is not before)
+                    transfers += [_relayout(step.mesh_dim, c, itemsize) for c in copies if c is not before]
                 else:
                     transfers.append(primitive)
                 size, contiguous = made, True
         return tuple(transfers)
+
+    def _local_shape(self, shape: tuple[int, ...], dims: list[int | None]) -> tuple[int, ...]:
+        """``split_shape`` on this mesh, kept: a 3-D mesh's moves ask ~300 K times for ~2 K shapes."""
+        key = (shape, *dims)
+        found = self._local_shapes.get(key)
+        if found is None:
+            found = self._local_shapes[key] = split_shape(shape, dims, self.topology.shape)
+        return found
 
     def redistribute_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
         """Seconds to move ``meta`` from ``src`` to ``dst`` placements; ``math.inf`` if DTensor cannot."""
@@ -508,7 +535,7 @@ class CostModel:
             found = self._seconds.get(move)
             if found is None:
                 plan = self._plan(src, dst, meta, key)
-                found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile)
+                found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
                 self._seconds[move] = found
             self._costs[key] = found
         return found

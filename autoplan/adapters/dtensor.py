@@ -7,7 +7,6 @@ upgrade touches one module.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,12 +89,14 @@ def _greedy(
     that the outer mesh dims split differently before and after is first replicated (a nested
     shard cannot move in place); then outer to inner, each mesh dim goes to its target."""
     current, steps = list(src), []
-    if math.prod(n for n, p in zip(mesh_shape, src) if isinstance(p, Shard)) > 1:
+    # plain placements (``shape_free``): a type test and a dim stand for isinstance and ``is_shard``
+    if any(n > 1 and type(p) is Shard for n, p in zip(mesh_shape, src)):
         for m in reversed(range(len(src))):
             target = dst[m]
-            if isinstance(target, Shard):
-                before = [i for i in range(m) if current[i] == target]
-                after = [i for i in range(m) if dst[i] == target]
+            if type(target) is Shard:
+                d = target.dim
+                before = [i for i in range(m) if type(current[i]) is Shard and current[i].dim == d]
+                after = [i for i in range(m) if type(dst[i]) is Shard and dst[i].dim == d]
                 if before != after:
                     target = Replicate()
             if current[m] != target:
