@@ -330,10 +330,12 @@ def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: Device
 def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
     """Indices ``i`` where transfers i and i+1 are all-gathers on the two dims of a 2-D mesh with
     nothing between them: the gather-fusion pass runs them as one all-gather over the whole mesh."""
+    if ndim != 2:
+        return set()
     return {
         i
         for i, (a, b) in enumerate(itertools.pairwise(transfers))
-        if ndim == 2 and a.kind == b.kind == "all_gather" and a.mesh_dim != b.mesh_dim
+        if a.kind == b.kind == "all_gather" and a.mesh_dim != b.mesh_dim
     }
 
 
