@@ -579,9 +579,9 @@ class CostModel:
         return tuple((t.kind, t.mesh_dim) for t in plan if t.kind != "relayout")
 
     def derived(self, key: Any, owner: object, make: Callable[[], Any]) -> Any:
-        """``make()``, worked out once per ``key`` and ``owner`` object: a value derived from this
-        model's costs and a large immutable input (a node's strategy tuple), which is matched by
-        identity because hashing it would cost as much as ``make`` (every re-solve asks again)."""
+        """``make()``, worked out once per ``key`` and ``owner`` object: a value derived from a large
+        immutable input (a node's strategy tuple) and this model's costs or mesh, which is matched
+        by identity because hashing it would cost as much as ``make`` (every re-solve asks again)."""
         found = self._derived.get((key, id(owner)))
         if found is None or found[0] is not owner:
             found = self._derived[(key, id(owner))] = (owner, make())

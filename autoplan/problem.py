@@ -160,14 +160,19 @@ class _Edge:
         return cost.reshape(-1)[self.index]
 
 
-def _edge(strats, root, price: Matrix, ur: fx.Node, k: int, cr: fx.Node, slot) -> _Edge:
+def _edge(strats, root, price: Matrix, ur: fx.Node, k: int, cr: fx.Node, slot, own_labels=None) -> _Edge:
     """The edge from ``ur``'s output ``k`` to ``cr``'s input ``slot``, each placement pair priced
-    by ``price`` (a redistribution's seconds, or the bytes of the moved copy)."""
+    by ``price`` (a redistribution's seconds, or the bytes of the moved copy). ``own_labels(node,
+    side, values)``: ``_labels(values())``, possibly kept (a node's placements on one side, over
+    all its strategies)."""
+    own_labels = own_labels or (lambda node, side, values: _labels(values()))
     meta = tensor_meta(output_vals(ur)[k])
     src_unit, src_map = root[ur]
     dst_unit, dst_map = root[cr]
-    srcs, src_label = _labels([strats[ur][i].outputs[k] for i in src_map])
-    dsts, dst_label = _labels([_slot_placement(strats[cr][i], slot) for i in dst_map])
+    out = own_labels(ur, ("out", k), lambda: [s.outputs[k] for s in strats[ur]])
+    into = own_labels(cr, ("in", slot), lambda: [_slot_placement(s, slot) for s in strats[cr]])
+    srcs, src_label = _mapped(out, src_map)
+    dsts, dst_label = _mapped(into, dst_map)
     cost = price(srcs, dsts, meta)
     parts = (src_unit, dst_unit, srcs, dsts, src_label, dst_label, cost)
     if src_unit is dst_unit:
@@ -366,9 +371,21 @@ def _changes(srcs: list, dsts: list) -> np.ndarray:
 
 
 def _labels(values: list) -> tuple[list, np.ndarray]:
+    """The distinct values in order of first appearance, and each value's index among them."""
     distinct = list(dict.fromkeys(values))
     index = {v: i for i, v in enumerate(distinct)}
     return distinct, np.array([index[v] for v in values], dtype=np.int64)
+
+
+def _mapped(labels: tuple[list, np.ndarray], m: np.ndarray) -> tuple[list, np.ndarray]:
+    """``_labels`` of the values at ``m``, from ``labels`` of them all (numpy, no hashing)."""
+    distinct, label = labels
+    picked = label[m]
+    found, first = np.unique(picked, return_index=True)
+    kept = found[np.argsort(first)]
+    number = np.empty(len(distinct), dtype=np.int64)
+    number[kept] = np.arange(len(kept))
+    return [distinct[i] for i in kept], number[picked]
 
 
 def graph_edges(tg: TracedGraph, clustering: Clustering) -> dict[tuple, int]:
@@ -442,8 +459,12 @@ def build_problem(
 
     groups: dict[tuple, EdgeGroup] = {}
     hideable: list[tuple[str, _Edge]] = []
+
+    def own_labels(node, side, values):  # a node's strategy tuple outlives a build (re-solves)
+        return cost_model.derived(("labels", node, side), strats[node], lambda: _labels(values()))
+
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
-        edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot)
+        edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)
         cost = edge.cost * mult
         name = hiding.segment_of(ur, cr, slot == "out")
         if name is not None:
