@@ -25,6 +25,7 @@ from autoplan.constraints import Pin, placement_error
 from autoplan.costs import CostModel
 from autoplan.devices import H100_SXM, DeviceProfile, resolve_profile
 from autoplan.errors import ConstraintError
+from autoplan.heap import collector_paused
 from autoplan.lowering import lower
 from autoplan.passes import alias_roundtrip
 from autoplan.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
@@ -186,24 +187,25 @@ class AutoParallel:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def __enter__(self) -> AutoParallel:
-        t0 = time.perf_counter()
-        self.traced = trace_joint(
-            self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
-        )
-        ta = time.perf_counter()
-        unusable = _unusable_mesh_dims(self.traced, self.mesh)
-        if unusable:
-            raise ConstraintError(
-                f"mesh dim {', '.join(unusable)} of mesh {tuple(self.mesh.shape)} cannot split any tensor of this"
-                " model's step (no tensor dim is a multiple of it): use a smaller mesh dim, or a bigger batch"
+        with collector_paused():
+            t0 = time.perf_counter()
+            self.traced = trace_joint(
+                self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
             )
-        self.aliases = insert_aliases(self.traced)
-        t1 = time.perf_counter()
-        self.clustering = self._cluster()
-        self.strategies = enumerate_strategies(
-            self.traced.gm.graph, self.clustering.rep, StrategyBuilder(self.mesh, strict=self.strict)
-        )
-        t2 = time.perf_counter()
+            ta = time.perf_counter()
+            unusable = _unusable_mesh_dims(self.traced, self.mesh)
+            if unusable:
+                raise ConstraintError(
+                    f"mesh dim {', '.join(unusable)} of mesh {tuple(self.mesh.shape)} cannot split any tensor of"
+                    " this model's step (no tensor dim is a multiple of it): use a smaller mesh dim, or a bigger batch"
+                )
+            self.aliases = insert_aliases(self.traced)
+            t1 = time.perf_counter()
+            self.clustering = self._cluster()
+            self.strategies = enumerate_strategies(
+                self.traced.gm.graph, self.clustering.rep, StrategyBuilder(self.mesh, strict=self.strict)
+            )
+            t2 = time.perf_counter()
         self.timings = {"trace": ta - t0, "aliases": t1 - ta, "strategies": t2 - t1}
         self._planner_for = None  # a new trace: the planner is built again
         log.info(

@@ -26,6 +26,7 @@ from autoplan.costs import CostModel
 from autoplan.devices import DeviceProfile
 from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
+from autoplan.heap import collector_paused
 from autoplan.ilp import POLISH_S, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
 from autoplan.peak import PEAK_GROUP, PeakRows, Point, option_name, peak_group
 from autoplan.plan import Plan
@@ -382,6 +383,10 @@ class Planner:
         main solve, then each is re-solved on its own against the rest (``plan.ilp["refinements"]``):
         their neighbours differ, so their best choices can too.
         """
+        with collector_paused():
+            return self._plan(request, trace_timings)
+
+    def _plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
         tg = self.tg
         t0 = time.perf_counter()
         cost_model = CostModel(self.mesh, self.device_profile)

@@ -66,7 +66,7 @@ def strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: 
         return np.zeros(len(strategies))
     ins = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
     outs = [(i, tensor_meta(v)) for i, v in enumerate(output_vals(node)) if isinstance(v, torch.Tensor)]
-    flops = _flops(node)
+    flops = cost_model.derived("flops", node, functools.partial(_flops, node))  # re-solves ask again
     return np.array(
         [
             cost_model.compute_cost(
@@ -447,7 +447,9 @@ def build_problem(
     least = dict(least or {})
     for v, ss in strats.items():
         unit, m = root[v]
-        seconds = cost_model.derived(v, ss, functools.partial(strategy_costs, v, ss, cost_model))
+        # a strategy tuple is shared only by copies of one layer's node (the same op on the same
+        # shapes), which cost alike: a re-solve's untied copies reuse their representative's seconds
+        seconds = cost_model.derived("compute", ss, functools.partial(strategy_costs, v, ss, cost_model))
         unit_cost[unit] += (seconds * clustering.multiplicity[v])[m]
         least.setdefault(v, overlap.least(seconds))
         budget[overlap.segment(where.get(v, ""), overlap.phase(v))] += least[v] * clustering.multiplicity[v]
@@ -461,7 +463,7 @@ def build_problem(
     hideable: list[tuple[str, _Edge]] = []
 
     def own_labels(node, side, values):  # a node's strategy tuple outlives a build (re-solves)
-        return cost_model.derived(("labels", node, side), strats[node], lambda: _labels(values()))
+        return cost_model.derived(("labels", side), strats[node], lambda: _labels(values()))
 
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
         edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)

@@ -113,3 +113,43 @@ def _views_of(plan, name):
     mm = plan.nodes[name]
     view_ops = {"aten._unsafe_view.default", "aten.view.default"}
     return {n.name for n in plan.nodes.values() if n.op in view_ops and n.module == mm.module and n.phase == mm.phase}
+
+
+def test_tracing_and_planning_pause_the_cyclic_collector_and_restore_it(monkeypatch):
+    """Tracing and planning build millions of long-lived objects, and every full collection walks
+    them all: the collector is off while they run, and as it was after (on, or off where the
+    caller had turned it off)."""
+    import gc
+
+    import autoplan.api as api_module
+    import autoplan.planner as planner_module
+    from autoplan.heap import collector_paused
+
+    seen = []
+
+    def watched(module, name):
+        real = getattr(module, name)
+
+        def run(*args, **kwargs):
+            seen.append((name, gc.isenabled()))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, run)
+
+    watched(api_module, "trace_joint")
+    watched(api_module, "enumerate_strategies")
+    watched(planner_module.Planner, "_plan")
+    plan, _ = plan_mlp()
+    assert plan.param_placements and gc.isenabled()
+    assert seen == [("trace_joint", False), ("enumerate_strategies", False), ("_plan", False)]
+    with collector_paused():
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # an inner pause leaves the outer one be
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan_mlp()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
