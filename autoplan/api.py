@@ -408,13 +408,14 @@ class AutoParallel:
         tg = self._require_traced()
         mismatch.check(plan, tg, tuple(self.mesh.shape))
         t0 = time.perf_counter()
-        if remove_round_trips:
-            cost_model = CostModel(self.mesh, self.device_profile)
-            tg, applied, trips = alias_roundtrip.remove_round_trips(tg, plan, cost_model, self._outputs)
-        else:
-            applied, trips = plan, RoundTripStats(0, 0)
-        rerun = frozenset(n.name for n in recompute.chosen_nodes(tg.gm.graph, applied.recompute))
-        lowered = lower(tg, applied, self.mesh, self._outputs, reshard_after_forward, fuse_gathers, rerun)
+        with collector_paused():  # the passes and lowering build graphs as large as the trace
+            if remove_round_trips:
+                cost_model = CostModel(self.mesh, self.device_profile)
+                tg, applied, trips = alias_roundtrip.remove_round_trips(tg, plan, cost_model, self._outputs)
+            else:
+                applied, trips = plan, RoundTripStats(0, 0)
+            rerun = frozenset(n.name for n in recompute.chosen_nodes(tg.gm.graph, applied.recompute))
+            lowered = lower(tg, applied, self.mesh, self._outputs, reshard_after_forward, fuse_gathers, rerun)
         regions: dict[fx.GraphModule, RegionStats] = {}
 
         def compile_graph(gm: fx.GraphModule) -> Callable:

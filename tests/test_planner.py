@@ -115,10 +115,10 @@ def _views_of(plan, name):
     return {n.name for n in plan.nodes.values() if n.op in view_ops and n.module == mm.module and n.phase == mm.phase}
 
 
-def test_tracing_and_planning_pause_the_cyclic_collector_and_restore_it(monkeypatch):
-    """Tracing and planning build millions of long-lived objects, and every full collection walks
-    them all: the collector is off while they run, and as it was after (on, or off where the
-    caller had turned it off)."""
+def test_tracing_planning_and_lowering_pause_the_cyclic_collector_and_restore_it(monkeypatch):
+    """Tracing, planning and lowering build millions of long-lived objects, and every full
+    collection walks them all: the collector is off while they run, and as it was after (on, or
+    off where the caller had turned it off)."""
     import gc
 
     import autoplan.api as api_module
@@ -139,9 +139,14 @@ def test_tracing_and_planning_pause_the_cyclic_collector_and_restore_it(monkeypa
     watched(api_module, "trace_joint")
     watched(api_module, "enumerate_strategies")
     watched(planner_module.Planner, "_plan")
-    plan, _ = plan_mlp()
+    watched(api_module, "lower")
+    with torch.device("meta"):
+        model = MLP()
+    with AutoParallel(model, fake_mesh((8,), ("dp",)), input_fn=lambda: torch.randn(1024, 64)) as ap:
+        plan = ap.optimize_placement()
+        ap.apply_placement(plan)
     assert plan.param_placements and gc.isenabled()
-    assert seen == [("trace_joint", False), ("enumerate_strategies", False), ("_plan", False)]
+    assert seen == [("trace_joint", False), ("enumerate_strategies", False), ("_plan", False), ("lower", False)]
     with collector_paused():
         with collector_paused():
             pass
