@@ -440,18 +440,24 @@ class CostModel:
         """What a move's primitives depend on: its steps (numbered), the tensor dims its source
         splits and the tensor (``_key``'s tensor part). Pairs that take the same steps from sources
         split alike (e.g. differing only in a Partial or Replicate on a mesh dim no step touches)
-        move alike: of the ~126 K (pair, tensor) moves a 3-D mesh prices, ~42% repeat another's."""
-        return (self._steps(src, dst, meta, key)[0], self._split_of[key[0]], *key[2:])
+        move alike: of the ~126 K (pair, tensor) moves a 3-D mesh prices, ~42% repeat another's.
+        Also the steps themselves."""
+        number, steps = self._steps(src, dst, meta, key)
+        return (number, self._split_of[key[0]], *key[2:]), steps
 
     def _plan(
         self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple | None = None
     ) -> tuple[Transfer, ...] | None:
         """The move's primitives (``None`` where DTensor cannot run it); ``key``: its ``_key``."""
         key = self._key(src, dst, meta) if key is None else key
-        move = self._move(src, dst, meta, key)
+        return self._plan_of(*self._move(src, dst, meta, key), meta, key[0])
+
+    def _plan_of(
+        self, move: tuple, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int
+    ) -> tuple[Transfer, ...] | None:
         found = self._plans.get(move, _UNKNOWN)
         if found is _UNKNOWN:
-            found = self._plans[move] = self._build_plan(self._steps(src, dst, meta, key)[1], meta, key[0])
+            found = self._plans[move] = self._build_plan(steps, meta, src)
         return found
 
     def _steps(
@@ -533,10 +539,10 @@ class CostModel:
     def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> float:
         found = self._costs.get(key)
         if found is None:
-            move = self._move(src, dst, meta, key)
+            move, steps = self._move(src, dst, meta, key)
             found = self._seconds.get(move)
             if found is None:
-                plan = self._plan(src, dst, meta, key)
+                plan = self._plan_of(move, steps, meta, key[0])
                 found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
                 self._seconds[move] = found
             self._costs[key] = found

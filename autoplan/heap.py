@@ -19,5 +19,4 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        gc.enable() if was else gc.disable()

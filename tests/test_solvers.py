@@ -328,12 +328,16 @@ def test_the_relaxation_runs_without_presolve_and_the_mip_with_it(monkeypatch):
     assert runs[0] == (False, False) and runs[-1] == (True, True)
 
 
-def test_a_mip_without_probing_finds_the_same_optimum():
-    """The HiGHS option that switches probing off is one HiGHS takes (it refuses unknown ones)."""
+def test_a_mip_without_probing_switches_off_probing_and_finds_the_same_optimum(capfd):
+    """The presolve rule bit switched off is the one this HiGHS names Probing (rule numbers differ
+    between HiGHS versions; its log lists the rules switched off), and the optimum is unchanged."""
     for probing in (True, False):
-        raw = solve_highs(knapsack_model(), True, SolverOptions(probing=probing))
+        raw = solve_highs(knapsack_model(), True, SolverOptions(probing=probing, verbose=not probing))
         assert raw.status is SolveStatus.OPTIMAL
         assert raw.bound == pytest.approx(knapsack_brute_force())
+    log = capfd.readouterr().out
+    switched = log[log.index("Presolve rules switched off") :].splitlines()[1]
+    assert switched.strip().endswith("Probing"), switched
 
 
 def test_a_neighbourhood_mip_around_the_fractional_columns_spares_the_full_search(monkeypatch):

@@ -111,10 +111,11 @@ def _greedy(
 
 def shape_free(src: Placements, dst: Placements) -> bool:
     """Whether DTensor plans this move with its greedy search, whose transitions ignore the shape
-    (its graph search, taken for strided shards or when forced, weighs bytes)."""
+    (its graph search, taken for strided shards or when forced, weighs bytes), over placements
+    ``_greedy`` reads as DTensor does: no subclass of ``Shard`` (a strided shard is one)."""
     forced = getattr(_dtensor_redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", None)
     # a failing isinstance on a placement runs in Python (~0.7 us): the plain types are let by first
-    return not forced and not any(type(p) not in _PLAIN and isinstance(p, _StridedShard) for p in (*src, *dst))
+    return not forced and not any(type(p) not in _PLAIN and isinstance(p, Shard) for p in (*src, *dst))
 
 
 def logical_shapes(mesh: DeviceMesh, src: Placements, meta: TensorMeta) -> list[tuple[int, ...]]:
