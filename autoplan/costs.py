@@ -339,9 +339,7 @@ def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
     }
 
 
-def plan_seconds(
-    transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict | None = None
-) -> float:
+def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict) -> float:
     """A redistribution's time. Gather pairs that the fusion pass merges are priced as the one
     collective that runs (over the flattened mesh), plus the local chunk transpose it needs when
     the outer mesh dim was gathered first. ``memo``: each primitive's seconds by (kind, mesh dim,
@@ -349,8 +347,6 @@ def plan_seconds(
     primitives, a few thousand distinct)."""
 
     def seconds(t: Transfer) -> float:
-        if memo is None:
-            return transfer_seconds(t, topology, profile)
         key = (t.kind, t.mesh_dim, t.nbytes)
         found = memo.get(key)
         if found is None:
