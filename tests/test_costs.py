@@ -9,19 +9,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.adapters.dtensor import redistribute_steps, tensor_meta
-from autoplan.costs import (
-    CostModel,
-    GroupSpan,
-    MeshTopology,
-    UnsupportedRedistribution,
-    collective_seconds,
-    flat_collective_seconds,
-    local_bytes,
-    local_shape,
-)
+from autoplan.costs import CostModel, UnsupportedRedistribution, local_bytes, local_shape
 from autoplan.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, resolve_profile
 from autoplan.errors import ConstraintError
 from autoplan.flops import node_flops
+from autoplan.network import GroupSpan, MeshTopology, collective_seconds, flat_collective_seconds
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
