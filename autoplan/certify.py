@@ -46,6 +46,9 @@ _CHECK = 5
 _STALL = 1e-5
 _SETTLE = 50
 _REACH = 4.0
+# Sweeps of a guess without a start (``dual_guess``): on LLaMA-3 8B's 8x4x4 ILP, 50 take the bound
+# from 24% to 15% under the LP in 0.3 s, and 150 only to 14%.
+GUESS_SWEEPS = 50
 _CAP = 1e9  # a multiplier's largest magnitude (microseconds): a label no pair can take is priced out
 
 
@@ -77,6 +80,21 @@ def certifier(
         return _ascent(plan, model, choose, y, objective, gap)
 
     return certify
+
+
+def dual_guess(problem: PlacementProblem, layout: Layout, model: LinearModel, sweeps: int = GUESS_SWEEPS) -> np.ndarray:
+    """Row multipliers for screening a model without a start (``solvers.Screen``): ``sweeps`` of
+    the ascent from 0, each overlap row at half its ``h``'s weight (complementary slackness when
+    both of its sides bind; with no plan yet, neither extreme is more likely)."""
+    held = tightened(model)
+    y = np.zeros(model.n_rows)
+    y[layout.overlap] = model.cost[layout.hidden] / 2
+    plan = _Sweeps.of(problem, layout)
+    _, belief, msg, batches = _start(plan, held, y)
+    for sweep in range(sweeps):
+        _sweep(batches[sweep % 2], belief, msg)
+    y[plan.rows] = msg
+    return y
 
 
 def _slackness(model: LinearModel, layout: Layout, x: np.ndarray) -> np.ndarray:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autoplan.certify import Layout, certifier
+from autoplan.certify import Layout, certifier, dual_guess
 from autoplan.problem import Linear, PlacementProblem
 from autoplan.strategies import Strategy
-from solvers import InfeasibleError, ModelBuilder, SolveResult, SolverTimeoutError, solve
+from solvers import InfeasibleError, ModelBuilder, Screen, SolveResult, SolverTimeoutError, solve
 
 # The solver sees microseconds: step costs in seconds (~1e-5 per op) would sit at the level of
 # HiGHS's absolute tolerances and ties would be broken by noise.
@@ -393,9 +393,15 @@ def solve_placement(
     seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
     if seed is not None:
         seed[[col for o, col in zip(options, r) if o.name in start_recompute]] = 1.0
-    certified = keep_start and seed is not None and model.n_rows > CERTIFY_MIN_ROWS
+    large = model.n_rows > CERTIFY_MIN_ROWS
+    certified = keep_start and seed is not None and large
     if certified:
         _complete(seed, problem, layout, model)
+    screen = None
+    if large and seed is None:  # every pair column is 0 or 1 wherever the strategies are
+        pairs = np.zeros(model.n_cols, dtype=bool)
+        pairs[np.concatenate([cols for cols, _, _ in edge_columns] or [np.zeros(0, np.int64)])] = True
+        screen = Screen(dual_guess(problem, layout, model), model.integer | pairs)
     result = solve(
         model,
         backend=backend,
@@ -407,6 +413,7 @@ def solve_placement(
         diagnose=diagnose,
         keep_start=keep_start,
         certify=certifier(problem, layout, model, mip_rel_gap) if certified else None,
+        screen=screen,
     )
     t2 = time.perf_counter()
     x = result.x

@@ -11,10 +11,11 @@ Typical use::
 from .model import LinearModel, ModelBuilder
 from .pulp_backend import to_pulp
 from .result import OPTIMALITY_GAP, InfeasibleError, SolveResult, SolverTimeoutError, SolveStatus
-from .solve import solve
+from .solve import Screen, solve
 
 __all__ = [
     "OPTIMALITY_GAP",
+    "Screen",
     "InfeasibleError",
     "LinearModel",
     "ModelBuilder",

@@ -14,6 +14,7 @@ optimum, and may then exceed the LP bound.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -85,10 +86,10 @@ def tightened(model: LinearModel) -> LinearModel:
     return replace(model, col_ub=_frozen(ub, np.float64))
 
 
-def lagrangian_bound(model: LinearModel, y: np.ndarray, choose: np.ndarray | None = None) -> float:
-    """``L(y)`` with ``y`` made valid (a multiplier whose row side is infinite is dropped) and the
-    ``choice_rows`` multipliers set to their best; ``-inf`` when an unbounded column would need it.
-    ``choose``: the model's ``choice_rows``, for a caller that bounds one model many times."""
+def reduced_costs(model: LinearModel, y: np.ndarray, choose: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Each column's reduced cost at ``y`` (made valid as ``lagrangian_bound`` does, the choice rows'
+    multipliers at their best) and ``L(y)``: a point of objective ``v`` has ``v >= L(y) + d_j x_j``
+    for every column ``j`` of ``d_j >= 0`` held at ``lb_j = 0`` in the bound (``screened``)."""
     y = np.asarray(y, dtype=np.float64)
     y = np.where((y > 0) & ~np.isfinite(model.row_lo) | (y < 0) & ~np.isfinite(model.row_hi), 0.0, y)
     choose = choice_rows(model) if choose is None else choose
@@ -106,4 +107,27 @@ def lagrangian_bound(model: LinearModel, y: np.ndarray, choose: np.ndarray | Non
         low = np.where(d > 0, d * model.col_lb, np.where(d < 0, d * model.col_ub, 0.0))
         sides = np.where(y > 0, y * model.row_lo, np.where(y < 0, y * model.row_hi, 0.0))
     total = float(sides.sum() + low.sum() + model.constant)
-    return total if math.isfinite(total) else -math.inf
+    return d, (total if math.isfinite(total) else -math.inf)
+
+
+def lagrangian_bound(model: LinearModel, y: np.ndarray, choose: np.ndarray | None = None) -> float:
+    """``L(y)`` with ``y`` made valid (a multiplier whose row side is infinite is dropped) and the
+    ``choice_rows`` multipliers set to their best; ``-inf`` when an unbounded column would need it.
+    ``choose``: the model's ``choice_rows``, for a caller that bounds one model many times."""
+    return reduced_costs(model, y, choose)[1]
+
+
+def screening(model: LinearModel, y: np.ndarray, unit: np.ndarray) -> tuple[float, Callable[[float], np.ndarray]]:
+    """``L(y)`` on the ``tightened`` model, and ``off(limit)``: the columns of ``unit`` (those every
+    integer point sets to 0 or 1) that no integer point of objective at most ``limit`` sets to 1,
+    ``L(y) + d_j > limit`` or held at 0 by ``tightened``. Reduced-cost fixing: a model without
+    them keeps every such point, so its bound bounds the integer optimum once a point reaches ``limit``."""
+    held = tightened(model)
+    d, bound = reduced_costs(held, y)
+    closed = unit & (held.col_lb == 0.0)
+    always = closed & (held.col_ub == 0.0)
+
+    def off(limit: float) -> np.ndarray:
+        return always | closed & (d > limit - bound + 1e-9 * max(1.0, abs(limit)))
+
+    return bound, off

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from time import perf_counter
 
 import numpy as np
 
+from .bound import screening
 from .highs_backend import available as highs_available
 from .highs_backend import solve_highs
 from .model import LinearModel
@@ -39,6 +40,21 @@ NEIGHBOURHOOD_HOPS = (2, 4, 6)
 # them and 1,359 without, whose MIP is as good for the gap: 0.46% above the bound in 3.0 s, against
 # 0.37% in 5.8 s.
 DENSE_ROW = 10
+# A screened solve's first limit: the screen's bound plus this fraction of it. A guess: once the
+# solve finds a point under it the screen was sound; above it, the point found is the next limit.
+# LLaMA-3 8B's 8x4x4 ILP: 50 sweeps of ``autoplan.certify``'s ascent bound it 14.7% under its LP
+# (0.3 s), the screen keeps 178 K of 412 K columns and the LP on them takes 3.9 s instead of 10-12 s.
+SCREEN_MARGIN = 0.25
+
+
+@dataclass(frozen=True)
+class Screen:
+    """Reduced-cost fixing before the LP (``bound.screening``): row multipliers ``y``, and the
+    columns ``unit`` that every integer point sets to 0 or 1 (binaries, and columns the rows force
+    to a product of binaries)."""
+
+    y: np.ndarray
+    unit: np.ndarray
 
 
 def _backend_name(backend: str) -> str:
@@ -251,6 +267,7 @@ def solve(
     diagnose: bool = True,
     keep_start: bool = False,
     certify: Callable[[np.ndarray, float], float] | None = None,
+    screen: Screen | None = None,
 ) -> SolveResult:
     """Minimise ``model``.
 
@@ -273,7 +290,17 @@ def solve(
     ``bound.lagrangian_bound`` of dual guesses), given the completed start and its objective (it
     may stop once that is certified); a start it certifies within ``mip_rel_gap`` is kept and the
     LP never runs.
+    ``screen``: without a start, the columns that no integer point under a limit can use are left
+    out before the LP (``_screened``); the bound is then on the integer optimum, not the LP's.
     """
+    if screen is not None and lp_first and start is None and not keep_start and model.n_integer > 0:
+
+        def whole(sub: LinearModel, round_sub, limit: float | None) -> SolveResult:
+            return solve(sub, backend, limit, mip_rel_gap, lp_first, threads, verbose, round_sub, diagnose=False)
+
+        found = _screened(model, screen, whole, rounding, time_limit)
+        if found is not None:
+            return found
     name = _backend_name(backend)
     run = _BACKENDS[name]
     opts = SolverOptions(time_limit, mip_rel_gap, threads, verbose)
@@ -334,3 +361,59 @@ def solve(
         mip_opts = replace(mip_opts, start=best[0])
     passes.append(run(model, True, mip_opts))
     return _finish(model, name, run, opts, passes, lp_bound, best, diagnose)
+
+
+def _screened(
+    model: LinearModel,
+    screen: Screen,
+    whole: Callable[[LinearModel, Callable | None, float | None], SolveResult],
+    rounding: Callable[[np.ndarray], np.ndarray] | None,
+    time_limit: float | None,
+) -> SolveResult | None:
+    """Solve ``model`` without the columns ``screen`` rules out under a limit, ``SCREEN_MARGIN``
+    above its bound. A point found under the limit proves the screen sound: the optimum is no
+    higher, so no column left out could be in it. A point above becomes the limit of one more
+    screened solve, sound by that point. ``None`` (the caller solves the whole model) when the
+    screen has no finite bound or the screened model has no point in time."""
+    started = perf_counter()
+    bound, off = screening(model, screen.y, screen.unit)
+    if not math.isfinite(bound):
+        return None
+    limit, best = bound + SCREEN_MARGIN * abs(bound), None
+    for _ in range(2):
+        sub, full, keep = model.restricted(off(limit), np.zeros(model.n_cols))
+
+        def round_sub(xs: np.ndarray, full=full, keep=keep) -> np.ndarray:
+            x = full.copy()
+            x[keep] = xs
+            return rounding(x)[keep]
+
+        left = None if time_limit is None else time_limit - (perf_counter() - started)
+        try:
+            found = whole(sub, round_sub if rounding is not None else None, left)
+        except (InfeasibleError, SolverTimeoutError):
+            return None
+        if found.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+            return None
+        x = full.copy()
+        x[keep] = found.x
+        objective = model.objective_value(x)
+        if best is None or objective < best[1]:
+            best = (x, objective)
+        if objective <= limit + 1e-9 * max(1.0, abs(limit)) or limit == best[1]:
+            x, objective = best
+            gap = relative_gap(objective, found.bound)
+            return replace(
+                found,
+                status=_within(gap),
+                objective=objective,
+                gap=gap,
+                x=x,
+                solve_time=perf_counter() - started - found.build_time,
+                n_vars=model.n_cols,
+                n_rows=model.n_rows,
+                n_nonzeros=model.n_nonzeros,
+                n_integer=model.n_integer,
+            )
+        limit = objective  # a point of the whole model: the next screen is sound by it
+    return None

@@ -153,6 +153,33 @@ def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
     assert len(checks) < certify_module.MAX_SWEEPS // certify_module._CHECK / 2
 
 
+def test_a_main_solve_without_a_start_screens_its_lp_and_finds_the_same_optimum(monkeypatch):
+    """Above ``CERTIFY_MIN_ROWS`` rows the main solve leaves out, before its LP, the columns the
+    ascent's multipliers price out of every plan near their bound (``solvers.Screen``): the LP
+    runs on fewer columns, and the plan costs what the whole model's optimum costs."""
+    import importlib
+
+    import autoplan.ilp as ilp_module
+
+    solve_module = importlib.import_module("solvers.solve")
+    real, lps = solve_module._BACKENDS["highs"], []
+
+    def recording(model, integral, opts):
+        if not integral:
+            lps.append(model.n_cols)
+        return real(model, integral, opts)
+
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", recording)
+    whole, _, _ = plan_llama(n_layers=4, mip_rel_gap=1e-9)
+    whole_lp = lps[0]
+    monkeypatch.setattr(ilp_module, "CERTIFY_MIN_ROWS", 0)
+    lps.clear()
+    screened, _, _ = plan_llama(n_layers=4, mip_rel_gap=1e-9)
+    assert lps[0] < whole_lp
+    assert screened.cost.total == pytest.approx(whole.cost.total, rel=1e-9)
+    assert screened.solver["bound"] <= screened.solver["objective"] * (1 + 1e-9)
+
+
 @pytest.mark.slow
 def test_refined_plan_is_the_unclustered_optimum():
     """Both solved exactly (within the default 1% gap either could stop short)."""

@@ -572,3 +572,70 @@ def test_a_restricted_model_solves_as_the_model_with_those_columns_fixed(seed):
             assert model.objective_value(full) == pytest.approx(got.bound) == pytest.approx(want.bound)
             assert np.allclose(full, want.x)
     assert outcomes == {SolveStatus.OPTIMAL, SolveStatus.INFEASIBLE}
+
+
+def _pairwise_points(model, x):
+    """Every integer point of ``_pairwise_model`` (pin and budget met): its objective and the
+    columns it sets to 1, unit choices and edge pairs."""
+    weight = np.array([1.0, 2.0, 4.0])
+    out = []
+    for choice in itertools.product(range(3), repeat=4):
+        if choice[0] >= 2 or weight[list(choice)].sum() > 5.0:
+            continue
+        cols = [x[u, c] for u, c in enumerate(choice)] + [12 + 9 * u + 3 * choice[u] + choice[u + 1] for u in range(3)]
+        out.append((float(model.cost[cols].sum()), cols))
+    return out
+
+
+def _unit_columns(model):
+    """Unit choices and edge pairs: every integer point sets each of them to 0 or 1."""
+    return np.ones(model.n_cols, dtype=bool)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_screen_leaves_out_no_column_a_point_under_its_limit_uses(seed):
+    """Reduced-cost fixing at any multipliers: whatever the limit, no integer point of objective
+    at most it sets a column the screen leaves out; at the LP's duals and the optimum as limit,
+    the screen does leave some out."""
+    from solvers.bound import screening
+
+    model, x = _pairwise_model(seed)
+    points = _pairwise_points(model, x)
+    optimum = min(v for v, _ in points)
+    _, duals = _lp_duals(model)
+    rng = np.random.default_rng(seed)
+    left_out = 0
+    for y in (np.zeros(model.n_rows), duals, rng.normal(0, 3, model.n_rows)):
+        bound, off = screening(model, y, _unit_columns(model))
+        assert bound <= optimum + 1e-9
+        for limit in sorted({v for v, _ in points})[:6] + [optimum - 1.0]:
+            cut = off(limit)
+            assert not any(cut[cols].any() for v, cols in points if v <= limit)
+        if y is duals:
+            left_out = int(off(optimum).sum())
+    assert left_out > 0
+
+
+@pytest.mark.parametrize("margin", [0.25, 0.0, -0.3, -10.0])
+def test_a_screened_solve_finds_the_optimum_whatever_its_first_limit(monkeypatch, margin):
+    """A first limit above the optimum is sound as it is; below it, the screened model has a point
+    only above the limit (which then becomes the limit of a second screen) or none (the whole
+    model is solved): the optimum and a true bound every way, the LP on fewer columns where the
+    screen left some out."""
+    from solvers import Screen
+
+    solve_module = importlib.import_module("solvers.solve")
+    monkeypatch.setattr(solve_module, "SCREEN_MARGIN", margin)
+    real, runs = solve_module._BACKENDS["highs"], []
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, *a: runs.append(m.n_cols) or real(m, *a))
+    for seed in range(4):
+        model, x = _pairwise_model(seed)
+        optimum = min(v for v, _ in _pairwise_points(model, x))
+        _, duals = _lp_duals(model)
+        runs.clear()
+        res = solve(model, mip_rel_gap=1e-9, screen=Screen(duals, _unit_columns(model)))
+        assert res.objective == pytest.approx(optimum, abs=1e-9)
+        assert res.bound <= optimum + 1e-9 and res.status is SolveStatus.OPTIMAL
+        assert res.x.shape == (model.n_cols,) and model.objective_value(res.x) == pytest.approx(optimum)
+        if margin >= 0:
+            assert runs[0] < model.n_cols
