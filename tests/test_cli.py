@@ -51,7 +51,9 @@ def test_explain_and_diff(plans, capsys):
     assert "in layers.0.attention.wo [forward]" in text and "chosen" in text
     assert main(["diff", *map(str, plans)]) == 0
     text = capsys.readouterr().out
-    assert "layers.*.attention.wo.weight" in text and "-> S(1)S(0)  x2" in text
+    free, pinned = (Plan.from_json(p).param_placements for p in plans)
+    moved = [f for f in free if f.endswith("attention.wo.weight") and free[f] != pinned[f]]
+    assert moved and "layers.*.attention.wo.weight" in text and f"-> S(1)S(0)  x{len(moved)}" in text
     with pytest.raises(SystemExit, match="no node or module 'layers.*.attn'"):
         main(["explain", str(plans[0]), "layers.*.attn"])
 
