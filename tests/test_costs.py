@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import fake_mesh, init_fake_world
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.adapters.dtensor import redistribute_steps, tensor_meta
@@ -450,6 +451,8 @@ def test_moves_priced_together_cost_what_each_costs_alone():
     mesh = fake_mesh((4, 2, 3))
     choices = (R, P, Shard(0), Shard(1))
     placements = [(a, b, c) for a in choices for b in choices for c in choices]
+    # steps that depend on the shape (a strided shard's): priced pair by pair within the matrix
+    placements += [(_StridedShard(0, split_factor=2), Shard(0), R), (R, _StridedShard(1, split_factor=3), Shard(1))]
     tensors = [
         meta(96, 48),
         meta(48, 96, dtype=torch.float32),
@@ -459,8 +462,8 @@ def test_moves_priced_together_cost_what_each_costs_alone():
     shared = CostModel(mesh)
     for m in tensors:
         matrix = shared.redistribute_costs(placements, placements, m)
-        for i in range(0, len(placements), 5):
-            for j in range(0, len(placements), 3):
+        for i in [*range(0, len(placements), 5), len(placements) - 2, len(placements) - 1]:
+            for j in [*range(0, len(placements), 3), len(placements) - 2, len(placements) - 1]:
                 src, dst = placements[i], placements[j]
                 alone = CostModel(mesh)
                 assert matrix[i, j] == alone.redistribute_cost(src, dst, m), (src, dst, m)
