@@ -292,41 +292,47 @@ def test_the_ascent_goes_on_while_its_gains_can_close_the_gap():
         assert gives_up is not None and gives_up <= 100
 
 
-def test_a_sweep_batched_by_level_is_the_sweep_in_order():
-    """The ascent updates a level's groups at once: on random graphs (repeated pairs and a group
-    whose two sides are one unit among them) no two groups of a level touch the same unit, and a
-    group comes after every group before it in the order that touches one of its units, so each
-    group's step reads what it would have read in turn."""
+def test_a_sweeps_batches_colour_the_groups_so_that_none_share_a_unit():
+    """The ascent updates a batch's groups at once: on random graphs (repeated pairs, and groups
+    whose two sides are one unit) every group is in one batch, no two groups of a batch touch the
+    same unit, and each took the first batch free of its units when its turn came in the order,
+    so there are at most ``2 * degree - 1`` batches."""
     import random
     from types import SimpleNamespace
 
-    from autoplan.certify import _levels
+    from autoplan.certify import _colours
 
     rng = random.Random(0)
     for _ in range(200):
         n_units = rng.randint(1, 12)
         edges = [SimpleNamespace(src=rng.randrange(n_units), dst=rng.randrange(n_units)) for _ in range(30)]
         order = rng.sample(range(len(edges)), len(edges))
-        levels = _levels(SimpleNamespace(edges=edges), order)
-        level_of = {i: k for k, members in enumerate(levels) for i in members}
-        assert sorted(level_of) == sorted(order) and sum(map(len, levels)) == len(order)
-        for members in levels:
+        batches = _colours(SimpleNamespace(edges=edges), order)
+        batch_of = {i: k for k, members in enumerate(batches) for i in members}
+        assert sorted(batch_of) == sorted(order) and sum(map(len, batches)) == len(order)
+        for members in batches:
             touched = [u for i in members for u in {edges[i].src, edges[i].dst}]
             assert len(touched) == len(set(touched))
             assert members == sorted(members, key=order.index)
-        for a, i in enumerate(order):
-            for j in order[a + 1 :]:
-                if {edges[i].src, edges[i].dst} & {edges[j].src, edges[j].dst}:
-                    assert level_of[i] < level_of[j]
+        for a, i in enumerate(order):  # every earlier batch held a group (before i) touching one of its units
+            ends = {edges[i].src, edges[i].dst}
+            for k in range(batch_of[i]):
+                assert any(ends & {edges[j].src, edges[j].dst} for j in order[:a] if batch_of[j] == k)
+        degree = max(sum((e.src == u) + (e.dst == u and e.dst != e.src) for e in edges) for u in range(n_units))
+        assert len(batches) <= max(1, 2 * degree - 1)
 
 
 def _plain_sweeps(problem, layout, open_, n):
     """The certificate's ascent written plainly: a dense pair matrix and a message vector per side
-    of each group, one group at a time in the groups' order and back. Returns each unit's beliefs
-    and the flat messages (every group's producer side, then every consumer side)."""
+    of each group, one group at a time, batch after batch (``_colours``: the groups coloured in
+    their order, then in reverse). Returns each unit's beliefs and the flat messages (every
+    group's producer side, then every consumer side)."""
     import numpy as np
 
     import autoplan.certify as certify_module
+
+    order = list(range(len(problem.edges)))
+    ways = [[i for batch in certify_module._colours(problem, o) for i in batch] for o in (order, order[::-1])]
 
     beliefs = {u: open_[layout.offsets[u] + np.arange(len(layout.kept[u]))].copy() for u in problem.units}
     steps = []
@@ -348,7 +354,7 @@ def _plain_sweeps(problem, layout, open_, n):
 
     with np.errstate(invalid="ignore"):
         for sweep in range(n):
-            for g, t, (sl, dl), alpha, beta in steps if sweep % 2 == 0 else reversed(steps):
+            for g, t, (sl, dl), alpha, beta in (steps[i] for i in ways[sweep % 2]):
                 ma = least(beliefs[g.src], sl, len(alpha)) - alpha
                 mb = least(beliefs[g.dst], dl, len(beta)) - beta
                 new_a, new_b = half((t + mb).min(axis=1), ma), half((t.T + ma).min(axis=1), mb)
@@ -408,9 +414,9 @@ def test_a_batched_sweep_on_random_groups_moves_every_message_as_in_turn():
 
 
 def test_a_batched_sweep_moves_every_message_as_the_groups_in_turn_would(monkeypatch):
-    """The certificate's batched sweeps (levels, both sides of a batch in one vector step, pairs
-    without a column left out) against the ascent written plainly, one edge group at a time in
-    the groups' order and back: after three sweeps every belief and message is the same, bit for
+    """The certificate's batched sweeps (groups coloured apart, both sides of a batch in one vector
+    step, pairs without a column left out) against the ascent written plainly, one edge group at
+    a time in the batches' order: after three sweeps every belief and message is the same, bit for
     bit, on both boundary re-solves of a 4-layer LLaMA."""
     import autoplan.certify as certify_module
     import autoplan.ilp as ilp_module
