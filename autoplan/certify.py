@@ -70,18 +70,19 @@ class Layout:
 
 def certifier(
     problem: PlacementProblem, layout: Layout, model: LinearModel, gap: float
-) -> Callable[[np.ndarray, float], float]:
+) -> Callable[[np.ndarray, float], tuple[float, np.ndarray]]:
     """``certify(x, objective)`` for ``solvers.solve``: the bound, stopping once it is within
-    ``gap`` of ``objective``. Columns no feasible point sets (off a pin, too heavy for a budget)
-    are fixed at 0 first: the bound then needs no multipliers for those rows."""
+    ``gap`` of ``objective``, and the row multipliers that give it (a screen's, when it falls
+    short). Columns no feasible point sets (off a pin, too heavy for a budget) are fixed at 0
+    first: the bound then needs no multipliers for those rows."""
     model = tightened(model)
     choose = choice_rows(model)  # the ascent bounds this one model every few sweeps
     plan = _Sweeps.of(problem, layout)
 
-    def certify(x: np.ndarray, objective: float) -> float:
+    def certify(x: np.ndarray, objective: float) -> tuple[float, np.ndarray]:
         y = np.zeros(model.n_rows)
         y[layout.overlap] = _slackness(model, layout, x)
-        return _ascent(plan, model, choose, y, objective, gap)
+        return _ascent(plan, model, choose, y, objective, gap), y
 
     return certify
 
@@ -256,9 +257,10 @@ def _batch(problem: PlacementProblem, layout: Layout, members: list[int], src_at
 
 def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective: float, gap: float) -> float:
     """The best bound of ``y`` with its edge rows' multipliers raised sweep by sweep (the others as
-    given): a unit's belief is its strategies' reduced costs less the choice row, each group's
-    step reads its two units' beliefs without its own messages, per label, and splits the best
-    pairing of each label evenly between them (every pair's reduced cost stays >= 0).
+    given; ``y`` ends with the last ones): a unit's belief is its strategies' reduced costs less
+    the choice row, each group's step reads its two units' beliefs without its own messages, per
+    label, and splits the best pairing of each label evenly between them (every pair's reduced
+    cost stays >= 0).
 
     The checks between sweeps read the bound off the beliefs (each unit's least, the rest as at
     the start: the edge rows' multipliers move only unit and pair columns, and the steps keep

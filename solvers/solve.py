@@ -49,11 +49,11 @@ SCREEN_MARGIN = 0.25
 
 @dataclass(frozen=True)
 class Screen:
-    """Reduced-cost fixing before the LP (``bound.screening``): row multipliers ``y``, and the
-    columns ``unit`` that every integer point sets to 0 or 1 (binaries, and columns the rows force
-    to a product of binaries)."""
+    """Reduced-cost fixing before the LP (``bound.screening``): row multipliers ``y`` (``None``: the
+    certificate's, once it falls short of proving the start), and the columns ``unit`` that every
+    integer point sets to 0 or 1 (binaries, and columns the rows force to a product of binaries)."""
 
-    y: np.ndarray
+    y: np.ndarray | None
     unit: np.ndarray
 
 
@@ -266,7 +266,7 @@ def solve(
     start: np.ndarray | None = None,
     diagnose: bool = True,
     keep_start: bool = False,
-    certify: Callable[[np.ndarray, float], float] | None = None,
+    certify: Callable[[np.ndarray, float], tuple[float, np.ndarray]] | None = None,
     screen: Screen | None = None,
 ) -> SolveResult:
     """Minimise ``model``.
@@ -287,17 +287,32 @@ def solve(
     cannot gain keeps its plan, at one completion). ``diagnose=False`` skips the search for the
     conflicting groups (when only feasibility matters, e.g. a try whose failure has a fallback).
     ``certify``: with ``keep_start``, a lower bound on the optimum worked out without the LP (e.g.
-    ``bound.lagrangian_bound`` of dual guesses), given the completed start and its objective (it
-    may stop once that is certified); a start it certifies within ``mip_rel_gap`` is kept and the
-    LP never runs.
-    ``screen``: without a start, the columns that no integer point under a limit can use are left
-    out before the LP (``_screened``); the bound is then on the integer optimum, not the LP's.
+    ``bound.lagrangian_bound`` of dual guesses) and the row multipliers that give it, given the
+    completed start and its objective (it may stop once that is certified); a start it certifies
+    within ``mip_rel_gap`` is kept and the LP never runs.
+    ``screen``: the columns that no integer point under a limit can use are left out before the LP
+    (``_screened``); the bound is then on the integer optimum, not the LP's. Without a start the
+    limit is a margin over the screen's bound; after a certificate that falls short, it is the
+    start's objective, and the multipliers are the certificate's (``Screen.y`` ``None``).
     """
-    if screen is not None and lp_first and start is None and not keep_start and model.n_integer > 0:
 
-        def whole(sub: LinearModel, round_sub, limit: float | None) -> SolveResult:
-            return solve(sub, backend, limit, mip_rel_gap, lp_first, threads, verbose, round_sub, diagnose=False)
+    def whole(sub: LinearModel, round_sub, limit: float | None, sub_start=None) -> SolveResult:
+        return solve(
+            sub,
+            backend,
+            limit,
+            mip_rel_gap,
+            lp_first,
+            threads,
+            verbose,
+            round_sub,
+            sub_start,
+            diagnose=False,
+            keep_start=sub_start is not None,
+        )
 
+    screening_ok = screen is not None and lp_first and model.n_integer > 0
+    if screening_ok and start is None and not keep_start and screen.y is not None:
         found = _screened(model, screen, whole, rounding, time_limit)
         if found is not None:
             return found
@@ -311,12 +326,17 @@ def solve(
     if keep_start and start is not None and certify is not None and model.n_integer > 0:
         best = _whole_point(model, start) or _point_with(model, run, opts, model.integer, start, passes)
         if best is not None:
-            bound = certify(*best)
+            bound, y = certify(*best)
             gap = relative_gap(best[1], bound)
             # a bound above a feasible point's value is a tolerance artefact, not a proof
             sound = bound <= best[1] + 1e-9 * max(1.0, abs(best[1]))
             if sound and gap <= max(mip_rel_gap, OPTIMALITY_GAP):
                 return _result(model, name, passes, _within(gap), *best, bound)
+            if screening_ok:
+                screened = replace(screen, y=y if screen.y is None else screen.y)
+                found = _screened(model, screened, whole, rounding, _remaining(opts, started).time_limit, best)
+                if found is not None:
+                    return found
     if lp_first or model.n_integer == 0:
         # the relaxation without presolve: on placement LPs HiGHS's presolve costs more than it
         # saves (LLaMA-3 8B on 8x4x4: 24.3 s with it, 15.0 s without; on 16x8: 0.40 s, 0.30 s)
@@ -369,9 +389,11 @@ def _screened(
     whole: Callable[[LinearModel, Callable | None, float | None], SolveResult],
     rounding: Callable[[np.ndarray], np.ndarray] | None,
     time_limit: float | None,
+    point: tuple[np.ndarray, float] | None = None,
 ) -> SolveResult | None:
-    """Solve ``model`` without the columns ``screen`` rules out under a limit, ``SCREEN_MARGIN``
-    above its bound. A point found under the limit proves the screen sound: the optimum is no
+    """Solve ``model`` without the columns ``screen`` rules out under a limit: ``point``'s objective
+    (a feasible point, which starts the screened solve), else ``SCREEN_MARGIN`` above the
+    screen's bound. A point found under the limit proves the screen sound: the optimum is no
     higher, so no column left out could be in it. A point above becomes the limit of one more
     screened solve, sound by that point. ``None`` (the caller solves the whole model) when the
     screen has no finite bound or the screened model has no point in time."""
@@ -380,8 +402,15 @@ def _screened(
     if not math.isfinite(bound):
         return None
     limit, best = bound + SCREEN_MARGIN * abs(bound), None
+    if point is not None:
+        limit, best = point[1], point
     for _ in range(2):
         sub, full, keep = model.restricted(off(limit), np.zeros(model.n_cols))
+        sub_start = None
+        if point is not None:
+            if np.any(point[0][~keep] != full[~keep]):  # a column of the point left out: within tolerance
+                return None
+            sub_start = point[0][keep]
 
         def round_sub(xs: np.ndarray, full=full, keep=keep) -> np.ndarray:
             x = full.copy()
@@ -390,7 +419,7 @@ def _screened(
 
         left = None if time_limit is None else time_limit - (perf_counter() - started)
         try:
-            found = whole(sub, round_sub if rounding is not None else None, left)
+            found = whole(sub, round_sub if rounding is not None else None, left, sub_start)
         except (InfeasibleError, SolverTimeoutError):
             return None
         if found.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):

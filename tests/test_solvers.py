@@ -502,7 +502,7 @@ def test_a_start_the_certificate_covers_is_kept_without_the_lp(monkeypatch):
 
     def certify(x, objective):
         seen.append(objective)
-        return objective * (1 - 0.005)
+        return objective * (1 - 0.005), np.zeros(model.n_rows)
 
     choices = np.where(model.integer, best.x, 0.0)  # the pair columns left for the completion
     runs.clear()
@@ -519,7 +519,9 @@ def test_a_start_the_certificate_covers_is_kept_without_the_lp(monkeypatch):
     # a certificate that falls short where the LP's bound (6.0% under the optimum) does not: the
     # completed start stands after the LP, the rounding untried
     runs.clear()
-    lp_kept = solve(model, start=choices, mip_rel_gap=0.1, keep_start=True, certify=lambda x, v: v / 2)
+    lp_kept = solve(
+        model, start=choices, mip_rel_gap=0.1, keep_start=True, certify=lambda x, v: (v / 2, np.zeros(model.n_rows))
+    )
     assert runs == [False, False] and lp_kept.objective == pytest.approx(best.objective)
     assert lp_kept.gap == pytest.approx(0.0602, abs=1e-4)
 
@@ -639,3 +641,34 @@ def test_a_screened_solve_finds_the_optimum_whatever_its_first_limit(monkeypatch
         assert res.x.shape == (model.n_cols,) and model.objective_value(res.x) == pytest.approx(optimum)
         if margin >= 0:
             assert runs[0] < model.n_cols
+
+
+def test_a_start_the_certificate_falls_short_of_is_screened_by_its_multipliers(monkeypatch):
+    """A certificate that does not prove the start still gives multipliers: with a screen, the LP
+    runs without the columns no point as good as the start can use (the start, a real point,
+    makes the screen sound at once), and the solve ends at the optimum with a true bound."""
+    from solvers import Screen
+
+    solve_module = importlib.import_module("solvers.solve")
+    real, runs = solve_module._BACKENDS["highs"], []
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, *a: runs.append((a[0], m.n_cols)) or real(m, *a))
+    for seed in range(4):
+        model, x = _pairwise_model(seed)
+        points = _pairwise_points(model, x)
+        optimum = min(v for v, _ in points)
+        worst = max(points)[1]  # the start: the costliest plan
+        start = np.zeros(model.n_cols)
+        start[worst] = 1.0
+        _, duals = _lp_duals(model)
+        runs.clear()
+        res = solve(
+            model,
+            start=start,
+            mip_rel_gap=1e-9,
+            keep_start=True,
+            certify=lambda x, v, duals=duals: (v - 1e3, duals),
+            screen=Screen(None, _unit_columns(model)),
+        )
+        assert res.objective == pytest.approx(optimum, abs=1e-9) and res.bound <= optimum + 1e-9
+        lps = [n for integral, n in runs if not integral]
+        assert lps and lps[0] < model.n_cols
