@@ -296,6 +296,7 @@ class CostModel:
         self.topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
         # Keyed by ``_key``; mesh and profile are fixed per instance.
         self._ids: dict[Placements, int] = {}
+        self._by_object: dict[int, tuple[Placements, int]] = {}  # by ``id``: a tuple already numbered
         self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
         self._splits: dict[tuple[int | None, ...], int] = {}  # a number per distinct ``_dims`` entry
         self._split_of: list[int] = []  # per id: its ``_dims`` entry's number
@@ -312,14 +313,21 @@ class CostModel:
 
     def _id(self, placements: Placements) -> int:
         """A number per distinct placement tuple: cache keys made of them hash in C, where a
-        placement's own hash runs in Python (millions of lookups on a 3-D mesh)."""
-        placements = tuple(placements)
-        found = self._ids.get(placements)
+        placement's own hash runs in Python (millions of lookups on a 3-D mesh). A tuple seen
+        before is found by identity (strategies hold the same tuples through every build and the
+        plan's pricing), kept alive beside its number so that its id cannot be reused."""
+        seen = self._by_object.get(id(placements))
+        if seen is not None and seen[0] is placements:
+            return seen[1]
+        key = tuple(placements)
+        found = self._ids.get(key)
         if found is None:
-            dims = tuple(shard_dim(p) for p in placements)
+            dims = tuple(shard_dim(p) for p in key)
             self._dims.append(dims)
             self._split_of.append(self._splits.setdefault(dims, len(self._splits)))
-            found = self._ids[placements] = len(self._dims) - 1
+            found = self._ids[key] = len(self._dims) - 1
+        if key is placements:  # a tuple, immutable: a list could change under its id
+            self._by_object[id(placements)] = (placements, found)
         return found
 
     def _key(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple:

@@ -539,3 +539,17 @@ def test_a_local_step_writes_the_shard_it_leaves(model):
 
 def local_shape_of(m, placements, mesh) -> tuple[int, ...]:
     return local_shape(m.shape, placements, mesh.shape)
+
+
+def test_placements_are_numbered_by_value_whatever_object_holds_them():
+    """Cost keys number placement tuples, a tuple seen before found by identity: equal tuples
+    built apart share a number, and a list (which may change) is numbered by what it holds now."""
+    init_fake_world()
+    cm = CostModel(fake_mesh((2, 4)))
+    first = tuple([Shard(0), R])
+    again = tuple([Shard(0), R])
+    held = [Shard(0), R]
+    assert first is not again and cm._id(first) == cm._id(again) == cm._id(held) == cm._id(first)
+    held[0] = R
+    assert cm._id(held) == cm._id((R, R)) != cm._id(first)
+    assert cm.redistribute_cost(first, (R, R), meta(8, 8)) == cm.redistribute_cost(again, tuple(held), meta(8, 8)) > 0
