@@ -313,9 +313,12 @@ def solve(
 
     screening_ok = screen is not None and lp_first and model.n_integer > 0
     if screening_ok and start is None and not keep_start and screen.y is not None:
+        tried = perf_counter()
         found = _screened(model, screen, whole, rounding, time_limit)
         if found is not None:
             return found
+        if time_limit is not None:  # what the screened try took is the whole model's no longer
+            time_limit = max(time_limit - (perf_counter() - tried), 0.0)
     name = _backend_name(backend)
     run = _BACKENDS[name]
     opts = SolverOptions(time_limit, mip_rel_gap, threads, verbose)
