@@ -177,20 +177,22 @@ _OWN_RULES: dict[torch._ops.OpOverload, Callable[[fx.Node], list[tuple]]] = dict
 
 def _op_key(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple | None:
     """Everything ``StrategyBuilder._for_op`` reads of ``node``: its op, its arguments with each
-    tensor as its shape, stride and dtype, its outputs alike, and its tensor inputs' choices;
-    ``None`` when some argument cannot be hashed."""
+    tensor as its shape, stride and dtype, its outputs alike, its tensor inputs' choices and
+    which of them are the same node; ``None`` when some argument cannot be hashed."""
 
     def plain(a):
         if isinstance(a, fx.Node):
             return ("tensor", *_tensor_key(a.meta.get("val")))
         return tuple(plain(x) for x in a) if isinstance(a, (list, tuple)) else a
 
+    inputs = tensor_inputs(node)
     key = (
         node.target,
         plain(node.args),
         tuple(sorted((k, plain(v)) for k, v in node.kwargs.items())),
         tuple(_tensor_key(v) for v in output_vals(node)),
-        tuple(tuple(choices[a]) for a in tensor_inputs(node)),
+        tuple(tuple(choices[a]) for a in inputs),
+        tuple(inputs.index(a) for a in inputs),  # which inputs are one node: ``_full_rule`` asks differently
     )
     try:
         hash(key)

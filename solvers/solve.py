@@ -314,7 +314,7 @@ def solve(
     screening_ok = screen is not None and lp_first and model.n_integer > 0
     if screening_ok and start is None and not keep_start and screen.y is not None:
         tried = perf_counter()
-        found = _screened(model, screen, whole, rounding, time_limit)
+        found = _screened(model, screen, whole, rounding, time_limit, _backend_name(backend))
         if found is not None:
             return found
         if time_limit is not None:  # what the screened try took is the whole model's no longer
@@ -337,13 +337,14 @@ def solve(
                 return _result(model, name, passes, _within(gap), *best, bound)
             if screening_ok:
                 screened = replace(screen, y=y if screen.y is None else screen.y)
-                found = _screened(model, screened, whole, rounding, _remaining(opts, started).time_limit, best)
+                left = _remaining(opts, started).time_limit
+                found = _screened(model, screened, whole, rounding, left, name, best)
                 if found is not None:
                     return found
     if lp_first or model.n_integer == 0:
         # the relaxation without presolve: on placement LPs HiGHS's presolve costs more than it
         # saves (LLaMA-3 8B on 8x4x4: 24.3 s with it, 15.0 s without; on 16x8: 0.40 s, 0.30 s)
-        lp = run(model, False, replace(opts, presolve=False))
+        lp = run(model, False, replace(_remaining(opts, started), presolve=False))
         passes.append(lp)
         if lp.status is SolveStatus.OPTIMAL and _is_integral(model, lp.x):
             x = _rounded(model, lp.x)
@@ -389,44 +390,46 @@ def solve(
 def _screened(
     model: LinearModel,
     screen: Screen,
-    whole: Callable[[LinearModel, Callable | None, float | None], SolveResult],
+    whole: Callable[[LinearModel, Callable | None, float | None, np.ndarray | None], SolveResult],
     rounding: Callable[[np.ndarray], np.ndarray] | None,
     time_limit: float | None,
+    backend: str,
     point: tuple[np.ndarray, float] | None = None,
 ) -> SolveResult | None:
     """Solve ``model`` without the columns ``screen`` rules out under a limit: ``point``'s objective
-    (a feasible point, which starts the screened solve), else ``SCREEN_MARGIN`` above the
-    screen's bound. A point found under the limit proves the screen sound: the optimum is no
-    higher, so no column left out could be in it. A point above becomes the limit of one more
-    screened solve, sound by that point. ``None`` (the caller solves the whole model) when the
-    screen has no finite bound or the screened model has no point in time."""
+    (a feasible point), else ``SCREEN_MARGIN`` above the screen's bound. A point found under the
+    limit proves the screen sound: the optimum is no higher, so no column left out could be in
+    it. A point above becomes the limit of one more screened solve, sound by that point; the
+    point a limit comes from starts its solve. When a solve finds nothing in time, the best point
+    known stands with the screen's own bound; ``None`` (the caller solves the whole model) when
+    there is none, or the screen has no finite bound."""
     started = perf_counter()
     bound, off = screening(model, screen.y, screen.unit)
     if not math.isfinite(bound):
         return None
-    limit, best = bound + SCREEN_MARGIN * abs(bound), None
-    if point is not None:
-        limit, best = point[1], point
+    limit, best = (point[1], point) if point is not None else (bound + SCREEN_MARGIN * abs(bound), None)
     for _ in range(2):
         sub, full, keep = model.restricted(off(limit), np.zeros(model.n_cols))
         sub_start = None
-        if point is not None:
-            if np.any(point[0][~keep] != full[~keep]):  # a column of the point left out: within tolerance
+        if best is not None:
+            if np.any(best[0][~keep] != full[~keep]):  # a column of the point left out, at the tolerance's edge
                 return None
-            sub_start = point[0][keep]
+            sub_start = best[0][keep]
 
         def round_sub(xs: np.ndarray, full=full, keep=keep) -> np.ndarray:
             x = full.copy()
             x[keep] = xs
             return rounding(x)[keep]
 
-        left = None if time_limit is None else time_limit - (perf_counter() - started)
+        left = None if time_limit is None else max(time_limit - (perf_counter() - started), 0.0)
         try:
             found = whole(sub, round_sub if rounding is not None else None, left, sub_start)
         except (InfeasibleError, SolverTimeoutError):
-            return None
-        if found.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
-            return None
+            found = None
+        if found is None or found.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+            if best is None:
+                return None
+            return _result(model, backend, [], _within(relative_gap(best[1], bound)), *best, bound)
         x = full.copy()
         x[keep] = found.x
         objective = model.objective_value(x)

@@ -672,3 +672,33 @@ def test_a_start_the_certificate_falls_short_of_is_screened_by_its_multipliers(m
         assert res.objective == pytest.approx(optimum, abs=1e-9) and res.bound <= optimum + 1e-9
         lps = [n for integral, n in runs if not integral]
         assert lps and lps[0] < model.n_cols
+
+
+def test_a_screened_solve_keeps_the_point_it_found_when_the_next_screen_runs_out_of_time(monkeypatch):
+    """A first limit just under the optimum: the first screened solve finds a point above it (the
+    optimum itself), and the second screen, sound by that point, runs out of time. The point stands,
+    with the screen's own bound, rather than a timeout."""
+    from solvers import Screen, SolverTimeoutError
+    from solvers.bound import screening
+
+    solve_module = importlib.import_module("solvers.solve")
+    model, x = _pairwise_model(0)
+    optimum = min(v for v, _ in _pairwise_points(model, x))
+    y, unit = np.zeros(model.n_rows), _unit_columns(model)
+    bound, _ = screening(model, y, unit)
+    monkeypatch.setattr(solve_module, "SCREEN_MARGIN", (optimum - 0.5 - bound) / abs(bound))
+    real, tries = solve_module._screened, []
+
+    def screened(model, screen, whole, *rest):
+        def flaky(*args):
+            tries.append(1)
+            if len(tries) == 2:
+                raise SolverTimeoutError("out of time", 1.0, "highs")
+            return whole(*args)
+
+        return real(model, screen, flaky, *rest)
+
+    monkeypatch.setattr(solve_module, "_screened", screened)
+    res = solve(model, time_limit=5.0, mip_rel_gap=1e-9, screen=Screen(y, unit))
+    assert len(tries) == 2
+    assert res.objective == pytest.approx(optimum) and res.bound == pytest.approx(bound) and res.bound <= optimum

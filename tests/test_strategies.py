@@ -33,3 +33,25 @@ def test_ops_that_ask_alike_are_enumerated_once_each_node_keeping_its_own_tuple(
     assert n_asked < n_ops - 10
     tuples = [id(s.strategies) for s in shared.values()]
     assert len(set(tuples)) == len(tuples)
+
+
+def test_an_op_reading_one_node_twice_is_not_taken_for_one_reading_two():
+    """``stack([x, x])`` and ``stack([x, y])`` (same shapes, same choices) ask DTensor differently:
+    each gets what it gets alone, whichever comes first."""
+    import torch.fx as fx
+
+    from autoplan.strategies import all_placements
+
+    mesh = fake_mesh((2, 2), ("a", "b"))
+    stack = torch.ops.aten.stack.default
+    for order in (("same", "apart"), ("apart", "same")):
+        g = fx.Graph()
+        x, y = g.placeholder("x"), g.placeholder("y")
+        for n in (x, y):
+            n.meta["val"] = torch.empty(4, 8, device="meta")
+        builder = StrategyBuilder(mesh)
+        for kind in order:
+            n = g.call_function(stack, ([x, x if kind == "same" else y],))
+            n.meta["val"] = torch.empty(2, 4, 8, device="meta")
+            choices = {a: all_placements(a.meta["val"], (2, 2)) for a in (x, y)}
+            assert builder.for_op(n, choices) == StrategyBuilder(mesh)._for_op(n, choices), (order, kind)
