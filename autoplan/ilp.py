@@ -402,10 +402,7 @@ def solve_placement(
         pairs = np.zeros(model.n_cols, dtype=bool)
         pairs[np.concatenate([cols for cols, _, _ in edge_columns] or [np.zeros(0, np.int64)])] = True
         # a start's screen takes the certificate's multipliers, should it fall short
-        guessed = time.perf_counter()
         screen = Screen(dual_guess(problem, layout, model) if seed is None else None, model.integer | pairs)
-        if time_limit is not None:
-            time_limit = max(time_limit - (time.perf_counter() - guessed), 0.0)
     result = solve(
         model,
         backend=backend,

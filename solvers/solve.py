@@ -311,18 +311,16 @@ def solve(
             keep_start=sub_start is not None,
         )
 
+    # every pass gets what is left of the time limit from here, a screened try's time included
+    started = perf_counter()
     screening_ok = screen is not None and lp_first and model.n_integer > 0
     if screening_ok and start is None and not keep_start and screen.y is not None:
-        tried = perf_counter()
         found = _screened(model, screen, whole, rounding, time_limit, _backend_name(backend))
         if found is not None:
             return found
-        if time_limit is not None:  # what the screened try took is the whole model's no longer
-            time_limit = max(time_limit - (perf_counter() - tried), 0.0)
     name = _backend_name(backend)
     run = _BACKENDS[name]
     opts = SolverOptions(time_limit, mip_rel_gap, threads, verbose)
-    started = perf_counter()
     passes: list[RawSolution] = []
     lp_bound = -math.inf
     best: tuple[np.ndarray, float] | None = None

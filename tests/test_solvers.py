@@ -702,3 +702,23 @@ def test_a_screened_solve_keeps_the_point_it_found_when_the_next_screen_runs_out
     res = solve(model, time_limit=5.0, mip_rel_gap=1e-9, screen=Screen(y, unit))
     assert len(tries) == 2
     assert res.objective == pytest.approx(optimum) and res.bound == pytest.approx(bound) and res.bound <= optimum
+
+
+def test_a_screened_try_that_gives_up_leaves_the_whole_model_what_is_left_of_the_time_limit(monkeypatch):
+    """The whole model's passes get the time limit less what the screened try took; a timeout
+    still names the limit the caller gave."""
+    import time
+
+    from solvers import Screen, SolverTimeoutError
+
+    solve_module = importlib.import_module("solvers.solve")
+    model, x = _pairwise_model(0)
+    optimum = min(v for v, _ in _pairwise_points(model, x))
+    monkeypatch.setattr(solve_module, "_screened", lambda *a, **k: time.sleep(0.3))
+    real, limits = solve_module._BACKENDS["highs"], []
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, i, o: limits.append(o.time_limit) or real(m, i, o))
+    screen = Screen(np.zeros(model.n_rows), _unit_columns(model))
+    assert solve(model, time_limit=10.0, mip_rel_gap=1e-9, screen=screen).objective == pytest.approx(optimum)
+    assert limits and all(t <= 9.7 for t in limits)
+    with pytest.raises(SolverTimeoutError, match="time limit of 0.2 s"):
+        solve(model, time_limit=0.2, mip_rel_gap=1e-9, screen=screen)
