@@ -398,7 +398,7 @@ def solve_placement(
     if certified:
         _complete(seed, problem, layout, model)
     screen = None
-    if large and (seed is None or certified):  # every pair column is 0 or 1 wherever the strategies are
+    if certified or (large and seed is None):  # every pair column is 0 or 1 wherever the strategies are
         pairs = np.zeros(model.n_cols, dtype=bool)
         pairs[np.concatenate([cols for cols, _, _ in edge_columns] or [np.zeros(0, np.int64)])] = True
         # a start's screen takes the certificate's multipliers, should it fall short
