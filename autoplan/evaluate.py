@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -19,7 +20,7 @@ from autoplan import overlap
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.costs import CostModel
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
-from autoplan.problem import PlacementProblem, ideal_seconds, strategy_costs
+from autoplan.problem import PlacementProblem, ideal_seconds, shared_strategy_costs, strategy_costs
 from autoplan.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
 from autoplan.tracing import PATH_KEY, TracedGraph
 
@@ -183,7 +184,8 @@ def alternatives(
     the step would change by, overlap included (a move that hides under its layer's ``budget``
     costs only what spills over). This is the local view ``explain`` needs (why this node, given its
     neighbours); pins and the memory budget are not applied to the alternatives. Identical layers
-    are priced once."""
+    are priced once, and a node's strategies all at once: each edge's moves as one cost row
+    (hundreds of strategies a node on a 3-D mesh, priced one by one, took seconds)."""
     hiding = overlap.Hiding.of(tg)
     touching: dict[fx.Node, list[_Edge]] = defaultdict(list)
     segment_of: dict[_Edge, str | None] = {}
@@ -197,30 +199,28 @@ def alternatives(
         if seg is not None and src != dst:
             hideable[seg] += cost_model.redistribute_cost(src, dst, tensor_meta(e.value.meta["val"]))
 
-    def end(e: _Edge, n: fx.Node, s: Strategy) -> tuple:
-        return _ends(e, lambda x: s if x is n else chosen[x])
+    def moves(n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
+        """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
+        rows = []
+        for e in touching[n]:
+            meta = tensor_meta(e.value.meta["val"])
+            src, dst = _ends(e, chosen.__getitem__)
+            if e.src is n:
+                rows.append(cost_model.redistribute_costs([s.outputs[e.k] for s in candidates], [dst], meta)[:, 0])
+            else:
+                ends = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates]
+                rows.append(cost_model.redistribute_costs([src], ends, meta)[0])
+        return np.array(rows).reshape(len(rows), len(candidates))
 
-    def comm(n: fx.Node, s: Strategy, metas: list) -> tuple[float, float, dict[str, float]]:
-        """Seconds of ``n``'s moves under ``s``: in all, exposed, and hideable per segment."""
-        total, exposed, by_segment = 0.0, 0.0, defaultdict(float)
-        for e, meta in zip(touching[n], metas):
-            src, dst = end(e, n, s)
-            if src != dst:
-                seconds = cost_model.redistribute_cost(src, dst, meta)
-                total += seconds
-                if segment_of[e] is None:
-                    exposed += seconds
-                else:
-                    by_segment[segment_of[e]] += seconds
-        return total, exposed, by_segment
-
-    def paid(exposed: float, by_segment: dict[str, float], base: dict[str, float]) -> float:
-        """Exposed seconds with the hideable moves ``by_segment`` in place of ``base``'s."""
-        spill = 0.0
-        for seg in {*by_segment, *base}:
-            moved = hideable[seg] - base.get(seg, 0.0) + by_segment.get(seg, 0.0)
-            spill += max(0.0, moved - budget.get(seg, 0.0))
-        return exposed + spill
+    def step_seconds(n: fx.Node, seconds: np.ndarray) -> np.ndarray:
+        """Per candidate, its moves' exposed seconds plus what each segment they hide under spills
+        over its budget, the other nodes' hideable moves kept (column 0: the chosen strategy)."""
+        segments = [segment_of[e] for e in touching[n]]
+        out = seconds[[seg is None for seg in segments]].sum(axis=0)
+        for seg in dict.fromkeys(s for s in segments if s is not None):
+            mine = seconds[[s == seg for s in segments]].sum(axis=0)
+            out += np.maximum(hideable[seg] - mine[0] + mine - budget.get(seg, 0.0), 0.0)
+        return out
 
     memo: dict[tuple, tuple[float, tuple[Alternative, ...]]] = {}
     out = {}
@@ -228,29 +228,30 @@ def alternatives(
         if n.op == "call_function" and n.target is operator.getitem:
             continue
         opts = options.get(n, ())
+        # placements and strategies by identity (every copy of a layer holds its representative's
+        # objects, alive while this runs): hashing placements ran in Python, 340 K times on a 3-D mesh
         context = tuple(
-            (e.src is n, e.k, e.slot, end(e, n, s0), tuple(e.value.meta["val"].shape), e.value.meta["val"].dtype)
+            (e.src is n, e.k, e.slot, *map(id, _ends(e, chosen.__getitem__)), e.value.meta["val"].shape)
+            + (e.value.meta["val"].dtype,)
             + ((hideable[segment_of[e]], budget.get(segment_of[e], 0.0)) if segment_of[e] else ())
             for e in touching[n]
         )
-        # the options by identity (copies of a layer share their representative's tuple): hashing
-        # hundreds of strategies per node was most of the time on a 3-D mesh
-        key = (_node_key(n), s0, id(opts), context)
+        key = (_node_key(n), id(s0), id(opts), context)
         if key not in memo:
-            metas = [tensor_meta(e.value.meta["val"]) for e in touching[n]]
-            compute = strategy_costs(n, (s0, *opts), cost_model)  # the op's FLOPs worked out once
-            base_comm, base_exposed, base_segments = comm(n, s0, metas)
-            base = float(compute[0]) + paid(base_exposed, base_segments, base_segments)
+            candidates = (s0, *opts)
+            seconds = moves(n, candidates)
+            compute = np.r_[strategy_costs(n, (s0,), cost_model), shared_strategy_costs(n, opts, cost_model)]
+            comm = seconds.sum(axis=0)
+            step = compute + step_seconds(n, seconds)
             priced = []
-            for i, s in enumerate(opts):
-                if s == s0:
-                    continue
-                c, (m, exposed, segments) = float(compute[i + 1]), comm(n, s, metas)
-                step = c + paid(exposed, segments, base_segments)
-                if step < float("inf"):
-                    priced.append((step, i, Alternative(s.outputs, s.inputs, c, m, step - base)))
-            priced.sort(key=lambda t: t[:2])
-            memo[key] = (base_comm, tuple(a for *_, a in priced[:keep]))
+            for i in np.argsort(step[1:], kind="stable") + 1:
+                if len(priced) == keep or not np.isfinite(step[i]):
+                    break
+                s = candidates[i]
+                if s is not s0 and s != s0:
+                    delta = float(step[i] - step[0])
+                    priced.append(Alternative(s.outputs, s.inputs, float(compute[i]), float(comm[i]), delta))
+            memo[key] = (float(comm[0]), tuple(priced))
         out[n.name] = memo[key]
     return out
 

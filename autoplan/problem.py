@@ -60,6 +60,13 @@ def ideal_seconds(node: fx.Node, cost_model: CostModel) -> float:
     return cost_model.ideal_seconds(_flops(node), compute_dtype(metas))
 
 
+def shared_strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
+    """``strategy_costs``, worked out once per strategy tuple: a tuple is shared only by copies of
+    one layer's node (the same op on the same shapes), which cost alike, and re-solves and the
+    plan's explanations ask again."""
+    return cost_model.derived("compute", strategies, functools.partial(strategy_costs, node, strategies, cost_model))
+
+
 def strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
     """Per-rank compute seconds of each strategy of ``node``."""
     if is_free(node):  # placeholders, getitems, views: no kernel
@@ -447,9 +454,7 @@ def build_problem(
     least = dict(least or {})
     for v, ss in strats.items():
         unit, m = root[v]
-        # a strategy tuple is shared only by copies of one layer's node (the same op on the same
-        # shapes), which cost alike: a re-solve's untied copies reuse their representative's seconds
-        seconds = cost_model.derived("compute", ss, functools.partial(strategy_costs, v, ss, cost_model))
+        seconds = shared_strategy_costs(v, ss, cost_model)  # a re-solve's untied copies reuse their rep's
         unit_cost[unit] += (seconds * clustering.multiplicity[v])[m]
         least.setdefault(v, overlap.least(seconds))
         budget[overlap.segment(where.get(v, ""), overlap.phase(v))] += least[v] * clustering.multiplicity[v]

@@ -1,5 +1,6 @@
 """``Plan.explain`` and ``Plan.diff``: why a node took its placements, and what another plan changes."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,6 +10,8 @@ from parallel_run import IO, LLAMA_TP, make
 from torch.distributed.tensor import Replicate
 
 from autoplan import AutoParallel, Plan
+from autoplan.costs import CostModel
+from autoplan.evaluate import reprice
 
 W1 = "layers.*.feed_forward.w1"
 
@@ -34,10 +37,16 @@ def _plan(pins: list, fix_node: tuple | None = None) -> tuple[Plan, str]:
 
 
 @pytest.fixture(scope="module")
-def free() -> Plan:
-    plan, status = _plan([])
-    assert status == "optimal"
-    return plan
+def free_ap() -> tuple[AutoParallel, Plan]:
+    ap = _traced()
+    plan = ap.optimize_placement()
+    assert plan.solver["status"] == "optimal"
+    return ap, plan
+
+
+@pytest.fixture(scope="module")
+def free(free_ap) -> Plan:
+    return free_ap[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +62,22 @@ def test_no_single_node_switch_beats_the_optimum(free):
     for n in free.nodes.values():  # cheapest first, none repeating the chosen strategy
         assert [a.delta_s for a in n.alternatives] == sorted(a.delta_s for a in n.alternatives)
         assert all((a.inputs, a.outputs) != (n.inputs, n.outputs) for a in n.alternatives)
+
+
+def test_an_alternatives_delta_is_what_switching_that_node_alone_costs(free_ap):
+    """Each node's strategies are priced at once (a cost row per edge, overlap spills per segment):
+    ``delta_s`` must be the whole plan priced again with that one node switched."""
+    ap, plan = free_ap
+    cost_model = CostModel(ap.mesh, ap.device_profile)
+    nodes = [n for n in plan.nodes.values() if n.alternatives]
+    hidden = [n for n in nodes if n.op == "aten.all_gather_into_tensor.default" or n.name.startswith("p_")]
+    picked = {n.name: n for n in nodes[::25] + hidden[:10]}
+    assert len(picked) >= 20
+    for node in picked.values():
+        for alt in node.alternatives:
+            switched = {**plan.nodes, node.name: dataclasses.replace(node, outputs=alt.outputs, inputs=alt.inputs)}
+            priced = reprice(ap.traced, dataclasses.replace(plan, nodes=switched), cost_model, ap._outputs)
+            assert priced.cost.total == pytest.approx(plan.cost.total + alt.delta_s, rel=1e-9, abs=1e-12), node.name
 
 
 def test_forcing_an_alternative_costs_at_most_its_delta(free):
