@@ -52,12 +52,13 @@ def op_name(n: fx.Node) -> str:
     return n.name if n.op == "placeholder" else str(n.target)
 
 
-def _compute_key(n: fx.Node, s: Strategy) -> tuple:
-    """Everything an op's compute cost depends on (so identical layers are priced once, honestly)."""
+def _op_key(n: fx.Node) -> tuple:
+    """Everything an op's compute cost depends on besides its strategy (so identical layers are
+    priced once, honestly)."""
     metas = tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype) for a in tensor_inputs(n))
     outs = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in output_vals(n))
     consts = repr([a for a in n.args if not isinstance(a, fx.Node)])
-    return (n.target, metas, outs, consts, s)
+    return (n.target, metas, outs, consts)
 
 
 def evaluate(
@@ -81,10 +82,12 @@ def evaluate(
     for n, s in chosen.items():
         compute = 0.0
         if n.op == "call_function" and n.target is not operator.getitem:
-            key = _compute_key(n, s)
+            op_key = _op_key(n)
+            # the strategy by identity (copies of a layer hold their representative's, alive while
+            # this runs): hashing its placements runs in Python
+            key = (op_key, id(s))
             if key not in compute_cache:
                 compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
-            op_key = key[:-1]  # the op alone, whatever its strategy
             if op_key not in ideal_cache:
                 ideal_cache[op_key] = ideal_seconds(n, cost_model)
             compute = compute_cache[key]
@@ -167,7 +170,7 @@ def _node_key(n: fx.Node) -> tuple:
     if n.op == "placeholder":
         val = n.meta.get("val")
         return ("placeholder", tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else ("placeholder",)
-    return _compute_key(n, None)
+    return _op_key(n)
 
 
 def alternatives(
