@@ -161,11 +161,12 @@ class _Sweeps:
 
     @staticmethod
     def of(problem: PlacementProblem, layout: Layout) -> _Sweeps:
-        src_at = np.cumsum([0] + [len(src) for src, _ in layout.marginals])
-        dst_at = src_at[-1] + np.cumsum([0] + [len(dst) for _, dst in layout.marginals])
+        src_at = np.cumsum([0] + [len(src) for src, _ in layout.marginals], dtype=np.int64)
+        dst_at = src_at[-1] + np.cumsum([0] + [len(dst) for _, dst in layout.marginals], dtype=np.int64)
         order = list(range(len(problem.edges)))
-        forward = tuple(_batch(problem, layout, m, src_at, dst_at) for m in _colours(problem, order))
-        backward = tuple(_batch(problem, layout, m, src_at, dst_at) for m in _colours(problem, order[::-1]))
+        parts = [_group_parts(problem, layout, i) for i in order]  # both ways' batches share them
+        forward = tuple(_batch(parts, m, src_at, dst_at) for m in _colours(problem, order))
+        backward = tuple(_batch(parts, m, src_at, dst_at) for m in _colours(problem, order[::-1]))
         sizes = [len(layout.kept[u]) for u in problem.units]
         units = np.concatenate([layout.offsets[u] + np.arange(n) for u, n in zip(problem.units, sizes)])
         rows = [src for src, _ in layout.marginals] + [dst for _, dst in layout.marginals]
@@ -197,60 +198,82 @@ def _colours(problem: PlacementProblem, order: list[int]) -> list[list[int]]:
     return colours
 
 
-def _batch(problem: PlacementProblem, layout: Layout, members: list[int], src_at, dst_at) -> _Batch:
-    """One level's groups flattened: per side and group its unit's strategies and their labels,
+@dataclass(frozen=True)
+class _Side:
+    """One side of an edge group, as a batch needs it (local labels)."""
+
+    cols: np.ndarray  # the unit's strategy columns
+    label: np.ndarray  # per column, its label
+    sorted_cols: np.ndarray  # the columns by label
+    begin: np.ndarray  # where each label's run of ``sorted_cols`` starts
+    runs: np.ndarray  # each run's label
+
+
+def _side(layout: Layout, unit: fx.Node, labels: np.ndarray) -> _Side:
+    cols = layout.offsets[unit] + np.arange(len(layout.kept[unit]))
+    label = labels[layout.kept[unit]]
+    order = np.argsort(label, kind="stable")
+    ordered = label[order]
+    begin = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    return _Side(cols, label, cols[order], begin, ordered[begin])
+
+
+def _group_parts(problem: PlacementProblem, layout: Layout, i: int) -> tuple:
+    """Group ``i``'s two sides; its pair columns by producer label then consumer label, and by
+    consumer label then producer label (-1: no column); and for each entry of those, the other
+    side's label."""
+    g = problem.edges[i]
+    n_o, n_q = len(layout.marginals[i][0]), len(layout.marginals[i][1])
+    pair_cols, oi, qi = layout.edges[i]
+    grid = np.full((n_o, n_q), -1, dtype=np.int64)
+    grid[oi, qi] = pair_cols
+    src, dst = _side(layout, g.src, g.src_label), _side(layout, g.dst, g.dst_label)
+    return src, dst, grid.reshape(-1), grid.T.reshape(-1), np.tile(np.arange(n_q), n_o), np.tile(np.arange(n_o), n_q)
+
+
+def _runs(lengths: np.ndarray) -> np.ndarray:
+    """``[0, 1, .., l0 - 1, 0, 1, .., l1 - 1, ...]``: each entry's place in its run."""
+    total = int(lengths.sum())
+    return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _batch(parts: list[tuple], members: list[int], src_at: np.ndarray, dst_at: np.ndarray) -> _Batch:
+    """One batch's groups flattened: per side and group its unit's strategies and their labels,
     its labels' places in the messages, and its pair columns row by row from that side."""
-    groups = [problem.edges[i] for i in members]
-    n_o = [len(layout.marginals[i][0]) for i in members]
-    n_q = [len(layout.marginals[i][1]) for i in members]
-    first_q = sum(n_o)  # local labels: producers' first
-    sorted_cols, starts, runs, cols, label_of, places = [], [], [], [], [], []
-    at = base = 0
-    sides = [(g.src, g.src_label, n, src_at[i]) for g, n, i in zip(groups, n_o, members)]
-    sides += [(g.dst, g.dst_label, n, dst_at[i]) for g, n, i in zip(groups, n_q, members)]
-    for unit, label, n, first in sides:
-        own = layout.offsets[unit] + np.arange(len(layout.kept[unit]))
-        lab = label[layout.kept[unit]]
-        order = np.argsort(lab, kind="stable")
-        ordered = lab[order]
-        begin = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-        sorted_cols.append(own[order])
-        starts.append(at + begin)
-        runs.append(base + ordered[begin])
-        cols.append(own)
-        label_of.append(base + lab)
-        places.append(first + np.arange(n))
-        at, base = at + len(own), base + n
-    by_src, other_q, by_dst, other_o = [], [], [], []
-    base_o, base_q = 0, first_q
-    for i, o, q in zip(members, n_o, n_q):
-        pair_cols, oi, qi = layout.edges[i]
-        grid = np.full((o, q), -1, dtype=np.int64)
-        grid[oi, qi] = pair_cols
-        by_src.append(grid.reshape(-1))
-        other_q.append(np.tile(base_q + np.arange(q), o))
-        by_dst.append(grid.T.reshape(-1))
-        other_o.append(np.tile(base_o + np.arange(o), q))
-        base_o, base_q = base_o + o, base_q + q
-    lengths = np.concatenate([np.full(o, q) for o, q in zip(n_o, n_q)] + [np.full(q, o) for o, q in zip(n_o, n_q)])
-    pairs, other = np.concatenate(by_src + by_dst), np.concatenate(other_q + other_o)
+    m = np.asarray(members)
+    n_o, n_q = src_at[m + 1] - src_at[m], dst_at[m + 1] - dst_at[m]
+    sides = [parts[i][0] for i in members] + [parts[i][1] for i in members]
+    n = np.r_[n_o, n_q]
+    base = np.cumsum(n) - n  # each side's first local label (producers' first)
+    sizes = np.array([len(side.cols) for side in sides])
+    at = np.cumsum(sizes) - sizes
+    n_runs = np.array([len(side.runs) for side in sides])
+    places = np.repeat(np.r_[src_at[m], dst_at[m]], n) + _runs(n)
+    cells = n_o * n_q
+    q_base, o_base = base[len(members) :], base[: len(members)]
+    other = np.r_[
+        np.concatenate([parts[i][4] for i in members]) + np.repeat(q_base, cells),
+        np.concatenate([parts[i][5] for i in members]) + np.repeat(o_base, cells),
+    ]
+    pairs = np.concatenate([parts[i][2] for i in members] + [parts[i][3] for i in members])
+    lengths = np.r_[np.repeat(n_q, n_o), np.repeat(n_o, n_q)]
     # only the pairs with a column, but one entry (no pairing: inf) for a label with none
     row_of = np.repeat(np.arange(len(lengths)), lengths)
     keep = pairs >= 0
-    keep[np.r_[0, np.cumsum(lengths)[:-1]][np.bincount(row_of, weights=keep, minlength=len(lengths)) == 0]] = True
+    keep[(np.cumsum(lengths) - lengths)[np.bincount(row_of, weights=keep, minlength=len(lengths)) == 0]] = True
     counts = np.bincount(row_of[keep], minlength=len(lengths))
-    present = np.concatenate(runs)
-    cols_all = np.concatenate(cols)
+    present = np.concatenate([side.runs for side in sides]) + np.repeat(base, n_runs)
+    cols_all = np.concatenate([side.cols for side in sides])
     return _Batch(
-        np.concatenate(places),
-        np.concatenate(sorted_cols),
-        np.concatenate(starts),
-        None if np.array_equal(present, np.arange(base)) else present,
+        places,
+        np.concatenate([side.sorted_cols for side in sides]),
+        np.concatenate([side.begin for side in sides]) + np.repeat(at, n_runs),
+        None if np.array_equal(present, np.arange(int(n.sum()))) else present,
         cols_all,
-        np.concatenate(label_of),
+        np.concatenate([side.label for side in sides]) + np.repeat(base, sizes),
         pairs[keep],
         other[keep],
-        np.r_[0, np.cumsum(counts)[:-1]],
+        np.cumsum(counts) - counts,
         len(np.unique(cols_all)) < len(cols_all),
     )
 

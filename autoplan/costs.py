@@ -330,6 +330,10 @@ class CostModel:
             self._by_object[id(placements)] = (placements, found)
         return found
 
+    def numbers(self, placements: Sequence[Placements]) -> np.ndarray:
+        """A number per placement tuple, equal exactly where the tuples are (stable for this model)."""
+        return np.array([self._id(p) for p in placements], dtype=np.int64)
+
     def _key(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple:
         """Everything a redistribution's cost depends on besides the (per-instance) mesh and profile."""
         return (self._id(src), self._id(dst), *_tensor_key(meta))

@@ -282,7 +282,10 @@ def _start_vector(
     """``start`` as values of the strategy columns, or ``None`` if some choice has no column."""
     x = np.zeros(n_cols)
     for u in problem.units:
-        hits = [j for j, i in enumerate(kept[u]) if problem.strategies[u][i] == start.get(u)]
+        own, wanted = problem.strategies[u], start.get(u)
+        # by identity first: a re-solve's start holds the very strategies (equality runs in Python)
+        hits = [j for j, i in enumerate(kept[u]) if own[i] is wanted]
+        hits = hits or [j for j, i in enumerate(kept[u]) if own[i] == wanted]
         if not hits:
             return None
         x[offsets[u] + hits[0]] = 1.0

@@ -364,17 +364,11 @@ def _slot_placement(s: Strategy, slot) -> Placements | None:
     return s.outputs[0] if slot == "out" else s.inputs[slot]
 
 
-def _changes(srcs: list, dsts: list) -> np.ndarray:
-    """1 where a producer placement differs from a consumer one: each list holds distinct
-    placements, so the equal pairs are found by hashing (comparing every pair of 63 placements,
-    as a 3-D mesh offers, was 1.3 M equality tests per build)."""
-    out = np.ones((len(srcs), len(dsts)))
-    where = {q: j for j, q in enumerate(dsts)}
-    for i, o in enumerate(srcs):
-        j = where.get(o)
-        if j is not None:
-            out[i, j] = 0.0
-    return out
+def _changes(srcs: list, dsts: list, cost_model: CostModel) -> np.ndarray:
+    """1 where a producer placement differs from a consumer one, by the cost model's numbers for
+    placement tuples (hashing the placements themselves runs in Python: a 3-D mesh's 63 per side
+    made every build, and every re-solve's, pay for it)."""
+    return (cost_model.numbers(srcs)[:, None] != cost_model.numbers(dsts)[None, :]).astype(float)
 
 
 def _labels(values: list) -> tuple[list, np.ndarray]:
@@ -481,7 +475,7 @@ def build_problem(
         elif edge.key in groups:
             groups[edge.key].cost = groups[edge.key].cost + cost
         else:
-            changes = _changes(edge.srcs, edge.dsts)
+            changes = _changes(edge.srcs, edge.dsts, cost_model)
             groups[edge.key] = EdgeGroup(edge.src_unit, edge.dst_unit, edge.src_label, edge.dst_label, cost, changes)
     for ur, k, placements in sinks:
         meta = tensor_meta(output_vals(ur)[k])

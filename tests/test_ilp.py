@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch.fx as fx
+from conftest import fake_mesh
 
 from autoplan.clustering import Clustering
 from autoplan.ilp import BudgetRow, FixedRows, solve_placement, undominated
@@ -75,12 +76,16 @@ def test_the_least_value_of_a_linear_sums_each_units_least_choice():
 
 
 def test_the_tie_break_marks_exactly_the_pairs_whose_placements_differ():
-    """Found by hashing, not by comparing every pair: equal placements at different positions on
-    the two sides, and placements present on one side only."""
+    """Found by the cost model's numbers, not by comparing every pair: equal placements at
+    different positions on the two sides (as distinct objects, and one a list), and placements
+    present on one side only."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
+    from autoplan.costs import CostModel
+
     srcs = [(Shard(0), Replicate()), (Replicate(), Replicate()), (Partial(), Shard(1))]
-    dsts = [(Replicate(), Replicate()), (Shard(1), Shard(1)), (Shard(0), Replicate())]
-    expected = np.array([[float(o != q) for q in dsts] for o in srcs])
-    np.testing.assert_array_equal(_changes(srcs, dsts), expected)
-    assert _changes(srcs, dsts).sum() == 7
+    dsts = [[Replicate(), Replicate()], (Shard(1), Shard(1)), (Shard(0), Replicate())]
+    expected = np.array([[float(tuple(o) != tuple(q)) for q in dsts] for o in srcs])
+    changes = _changes(srcs, dsts, CostModel(fake_mesh((2, 2))))
+    np.testing.assert_array_equal(changes, expected)
+    assert changes.sum() == 7
