@@ -164,9 +164,9 @@ class _Sweeps:
         src_at = np.cumsum([0] + [len(src) for src, _ in layout.marginals], dtype=np.int64)
         dst_at = src_at[-1] + np.cumsum([0] + [len(dst) for _, dst in layout.marginals], dtype=np.int64)
         order = list(range(len(problem.edges)))
-        parts = [_group_parts(problem, layout, i) for i in order]  # both ways' batches share them
-        forward = tuple(_batch(parts, m, src_at, dst_at) for m in _colours(problem, order))
-        backward = tuple(_batch(parts, m, src_at, dst_at) for m in _colours(problem, order[::-1]))
+        groups = [_group(problem, layout, i) for i in order]
+        forward = tuple(_batch(groups, m, src_at, dst_at) for m in _colours(problem, order))
+        backward = tuple(_batch(groups, m, src_at, dst_at) for m in _colours(problem, order[::-1]))
         sizes = [len(layout.kept[u]) for u in problem.units]
         units = np.concatenate([layout.offsets[u] + np.arange(n) for u, n in zip(problem.units, sizes)])
         rows = [src for src, _ in layout.marginals] + [dst for _, dst in layout.marginals]
@@ -218,17 +218,32 @@ def _side(layout: Layout, unit: fx.Node, labels: np.ndarray) -> _Side:
     return _Side(cols, label, cols[order], begin, ordered[begin])
 
 
-def _group_parts(problem: PlacementProblem, layout: Layout, i: int) -> tuple:
-    """Group ``i``'s two sides; its pair columns by producer label then consumer label, and by
-    consumer label then producer label (-1: no column); and for each entry of those, the other
-    side's label."""
+@dataclass(frozen=True)
+class _Group:
+    """One edge group as a batch needs it, shared by both sweep orders' batches."""
+
+    src: _Side
+    dst: _Side
+    by_src: np.ndarray  # pair columns by producer label, then consumer label (-1: no column)
+    by_dst: np.ndarray  # by consumer label, then producer label
+    dst_of: np.ndarray  # per entry of ``by_src``, its consumer label
+    src_of: np.ndarray  # per entry of ``by_dst``, its producer label
+
+
+def _group(problem: PlacementProblem, layout: Layout, i: int) -> _Group:
     g = problem.edges[i]
     n_o, n_q = len(layout.marginals[i][0]), len(layout.marginals[i][1])
     pair_cols, oi, qi = layout.edges[i]
     grid = np.full((n_o, n_q), -1, dtype=np.int64)
     grid[oi, qi] = pair_cols
-    src, dst = _side(layout, g.src, g.src_label), _side(layout, g.dst, g.dst_label)
-    return src, dst, grid.reshape(-1), grid.T.reshape(-1), np.tile(np.arange(n_q), n_o), np.tile(np.arange(n_o), n_q)
+    return _Group(
+        _side(layout, g.src, g.src_label),
+        _side(layout, g.dst, g.dst_label),
+        grid.reshape(-1),
+        grid.T.reshape(-1),
+        np.tile(np.arange(n_q), n_o),
+        np.tile(np.arange(n_o), n_q),
+    )
 
 
 def _runs(lengths: np.ndarray) -> np.ndarray:
@@ -237,12 +252,12 @@ def _runs(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
-def _batch(parts: list[tuple], members: list[int], src_at: np.ndarray, dst_at: np.ndarray) -> _Batch:
+def _batch(groups: list[_Group], members: list[int], src_at: np.ndarray, dst_at: np.ndarray) -> _Batch:
     """One batch's groups flattened: per side and group its unit's strategies and their labels,
     its labels' places in the messages, and its pair columns row by row from that side."""
     m = np.asarray(members)
     n_o, n_q = src_at[m + 1] - src_at[m], dst_at[m + 1] - dst_at[m]
-    sides = [parts[i][0] for i in members] + [parts[i][1] for i in members]
+    sides = [groups[i].src for i in members] + [groups[i].dst for i in members]
     n = np.r_[n_o, n_q]
     base = np.cumsum(n) - n  # each side's first local label (producers' first)
     sizes = np.array([len(side.cols) for side in sides])
@@ -252,10 +267,10 @@ def _batch(parts: list[tuple], members: list[int], src_at: np.ndarray, dst_at: n
     cells = n_o * n_q
     q_base, o_base = base[len(members) :], base[: len(members)]
     other = np.r_[
-        np.concatenate([parts[i][4] for i in members]) + np.repeat(q_base, cells),
-        np.concatenate([parts[i][5] for i in members]) + np.repeat(o_base, cells),
+        np.concatenate([groups[i].dst_of for i in members]) + np.repeat(q_base, cells),
+        np.concatenate([groups[i].src_of for i in members]) + np.repeat(o_base, cells),
     ]
-    pairs = np.concatenate([parts[i][2] for i in members] + [parts[i][3] for i in members])
+    pairs = np.concatenate([groups[i].by_src for i in members] + [groups[i].by_dst for i in members])
     lengths = np.r_[np.repeat(n_q, n_o), np.repeat(n_o, n_q)]
     # only the pairs with a column, but one entry (no pairing: inf) for a label with none
     row_of = np.repeat(np.arange(len(lengths)), lengths)
