@@ -15,12 +15,14 @@ Lagrangian bound (``solvers.bound``); these are found from the model's structure
   units (MPLP's edge step, Globerson and Jaakkola, NIPS 2007), which never lowers the bound.
 
 Groups touching no common unit commute, so a sweep runs as batches of such groups, each one
-vector step: a greedy edge colouring of the groups in their order, and every other sweep one of
-them in reverse order (news travels both ways). On LLaMA-3 8B's 8x4x4 re-solves that is 9
-batches for 326 groups. Batched by level instead (each group one past the last earlier group
-sharing a unit with it, the sweep in order bit for bit) took 130-160 batches, and layers.0
-needed 170 sweeps (1.1-1.25 s) where the colouring needs 100 (0.43 s). Twenty to a hundred
-sweeps take the bound within the 1% gap of the start where its LP takes 9-10 s.
+vector step: a greedy edge colouring of the groups in their order, the same every sweep. On
+LLaMA-3 8B's 8x4x4 re-solves that is 9 batches for 326 groups. Batched by level instead (each
+group one past the last earlier group sharing a unit with it, the sweep in order bit for bit)
+took 130-160 batches, and layers.0 needed 170 sweeps (1.1-1.25 s). The colouring needed 100
+with every other sweep coloured in reverse order, and needs 75-80 without: alternating, or
+reversing the batches' order, slowed every re-solve tried (8B 8x4x4 and 70B 16x8x8, layers.0
+and the last layer), as did colouring by unit order or degree. Twenty to eighty sweeps take the
+bound within the 1% gap of the start where its LP takes 9-10 s.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ def dual_guess(problem: PlacementProblem, layout: Layout, model: LinearModel, sw
     y[layout.overlap] = model.cost[layout.hidden] / 2
     plan = _Sweeps.of(problem, layout)
     _, belief, msg, batches = _start(plan, held, y)
-    for sweep in range(sweeps):
-        _sweep(batches[sweep % 2], belief, msg)
+    for _ in range(sweeps):
+        _sweep(batches, belief, msg)
     y[plan.rows] = msg
     return y
 
@@ -150,12 +152,12 @@ class _Batch:
 
 @dataclass(frozen=True)
 class _Sweeps:
-    """The edge groups in batches, a sweep each way, and the marginal row each entry of the flat
-    messages prices (every group's producer labels, then every group's consumer labels)."""
+    """The edge groups in a sweep's batches, and the marginal row each entry of the flat messages
+    prices (every group's producer labels, then every group's consumer labels)."""
 
     units: np.ndarray  # every unit strategy column, unit by unit
     unit_starts: np.ndarray  # where each unit's columns start
-    ways: tuple[tuple[_Batch, ...], tuple[_Batch, ...]]  # a sweep's batches: groups coloured in order, and back
+    batches: tuple[_Batch, ...]  # the groups coloured in order
     rows: np.ndarray
     pairs: np.ndarray  # every pair column
 
@@ -165,8 +167,6 @@ class _Sweeps:
         dst_at = src_at[-1] + np.cumsum([0] + [len(dst) for _, dst in layout.marginals], dtype=np.int64)
         order = list(range(len(problem.edges)))
         groups = [_group(problem, layout, i) for i in order]
-        forward = tuple(_batch(groups, m, src_at, dst_at) for m in _colours(problem, order))
-        backward = tuple(_batch(groups, m, src_at, dst_at) for m in _colours(problem, order[::-1]))
         sizes = [len(layout.kept[u]) for u in problem.units]
         units = np.concatenate([layout.offsets[u] + np.arange(n) for u, n in zip(problem.units, sizes)])
         rows = [src for src, _ in layout.marginals] + [dst for _, dst in layout.marginals]
@@ -174,7 +174,7 @@ class _Sweeps:
         return _Sweeps(
             units,
             np.r_[0, np.cumsum(sizes)[:-1]],
-            (forward, backward),
+            tuple(_batch(groups, m, src_at, dst_at) for m in _colours(problem, order)),
             np.concatenate(rows) if rows else np.zeros(0, np.int64),
             np.concatenate(pairs) if pairs else np.zeros(0, np.int64),
         )
@@ -303,7 +303,7 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
     The checks between sweeps read the bound off the beliefs (each unit's least, the rest as at
     the start: the edge rows' multipliers move only unit and pair columns, and the steps keep
     the pairs' reduced costs >= 0); the bound returned is worked out in full."""
-    open_, belief, msg, sweeps = _start(plan, model, y)
+    open_, belief, msg, batches = _start(plan, model, y)
 
     def exact() -> float:
         y[plan.rows] = msg
@@ -318,7 +318,7 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
     target, rise = objective - gap * abs(objective), np.inf
     floor = _STALL * abs(objective)
     for sweep in range(MAX_SWEEPS):
-        _sweep(sweeps[sweep % 2], belief, msg)  # alternate: news travels both ways
+        _sweep(batches, belief, msg)
         if (sweep + 1) % _CHECK:
             continue
         bound = rest + leasts()
@@ -337,14 +337,14 @@ def _ascent(plan: _Sweeps, model: LinearModel, choose: np.ndarray, y, objective:
 
 def _start(plan: _Sweeps, model: LinearModel, y: np.ndarray) -> tuple:
     """The ascent's state at ``y`` with the edge rows' multipliers at 0: every column's reduced
-    cost (inf where held at 0), the units' beliefs, the flat messages, and each sweep's batches
-    with their prices (``_prices``)."""
+    cost (inf where held at 0), the units' beliefs, the flat messages, and the batches with their
+    prices (``_prices``)."""
     d0 = model.cost - np.bincount(model.entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
     open_ = np.where(model.col_ub > 0, d0, np.inf)  # a column held at 0 is no strategy and no pairing
     belief = np.full(model.n_cols, np.inf)
     belief[plan.units] = open_[plan.units]
-    sweeps = [[_prices(b, belief, open_) for b in way] for way in plan.ways]
-    return open_, belief, np.zeros(len(plan.rows)), sweeps
+    batches = [_prices(b, belief, open_) for b in plan.batches]
+    return open_, belief, np.zeros(len(plan.rows)), batches
 
 
 def _sweep(batches: list[tuple], belief: np.ndarray, msg: np.ndarray) -> None:

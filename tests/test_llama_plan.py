@@ -325,14 +325,13 @@ def test_a_sweeps_batches_colour_the_groups_so_that_none_share_a_unit():
 def _plain_sweeps(problem, layout, open_, n):
     """The certificate's ascent written plainly: a dense pair matrix and a message vector per side
     of each group, one group at a time, batch after batch (``_colours``: the groups coloured in
-    their order, then in reverse). Returns each unit's beliefs and the flat messages (every
-    group's producer side, then every consumer side)."""
+    their order, every sweep). Returns each unit's beliefs and the flat messages (every group's
+    producer side, then every consumer side)."""
     import numpy as np
 
     import autoplan.certify as certify_module
 
-    order = list(range(len(problem.edges)))
-    ways = [[i for batch in certify_module._colours(problem, o) for i in batch] for o in (order, order[::-1])]
+    order = [i for batch in certify_module._colours(problem, list(range(len(problem.edges)))) for i in batch]
 
     beliefs = {u: open_[layout.offsets[u] + np.arange(len(layout.kept[u]))].copy() for u in problem.units}
     steps = []
@@ -353,8 +352,8 @@ def _plain_sweeps(problem, layout, open_, n):
         return out
 
     with np.errstate(invalid="ignore"):
-        for sweep in range(n):
-            for g, t, (sl, dl), alpha, beta in (steps[i] for i in ways[sweep % 2]):
+        for _ in range(n):
+            for g, t, (sl, dl), alpha, beta in (steps[i] for i in order):
                 ma = least(beliefs[g.src], sl, len(alpha)) - alpha
                 mb = least(beliefs[g.dst], dl, len(beta)) - beta
                 new_a, new_b = half((t + mb).min(axis=1), ma), half((t.T + ma).min(axis=1), mb)
@@ -368,9 +367,9 @@ def _batched_sweeps(plan, belief, open_, n):
     import autoplan.certify as certify_module
 
     msg = np.zeros(len(plan.rows))
-    sweeps = [[certify_module._prices(b, belief, open_) for b in way] for way in plan.ways]
-    for sweep in range(n):
-        certify_module._sweep(sweeps[sweep % 2], belief, msg)
+    batches = [certify_module._prices(b, belief, open_) for b in plan.batches]
+    for _ in range(n):
+        certify_module._sweep(batches, belief, msg)
     return msg
 
 
