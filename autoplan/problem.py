@@ -277,14 +277,27 @@ def output_moves(
     return out
 
 
-def _producer_reps(tg: TracedGraph, clustering: Clustering) -> dict[fx.Node, set]:
-    """For each representative, the representatives its (single) input comes from over all its copies."""
-    found: dict[fx.Node, set] = defaultdict(set)
+def op_inputs(tg: TracedGraph) -> list[tuple[fx.Node, int, fx.Node, int]]:
+    """Every op's tensor inputs as (op, slot, producer, output index), in graph order."""
+    out = []
     for n in tg.gm.graph.nodes:
         if n.op == "call_function" and n.target is not operator.getitem:
-            for a in tensor_inputs(n):
-                u, k = value_of(a)
-                found[clustering.rep[n]].add((clustering.rep[u], k))
+            out += [(n, j, *value_of(a)) for j, a in enumerate(tensor_inputs(n))]
+    return out
+
+
+def _op_inputs(tg: TracedGraph, cost_model: CostModel) -> list[tuple[fx.Node, int, fx.Node, int]]:
+    """``op_inputs``, walked once per plan: the main build and every re-solve's read it (a walk of
+    LLaMA-3 70B's 25 K nodes per build, twice)."""
+    return cost_model.derived("op inputs", tg.gm.graph, functools.partial(op_inputs, tg))
+
+
+def _producer_reps(inputs: list[tuple], clustering: Clustering) -> dict[fx.Node, set]:
+    """For each representative, the representatives its (single) input comes from over all its copies."""
+    found: dict[fx.Node, set] = defaultdict(set)
+    rep = clustering.rep
+    for n, _, u, k in inputs:
+        found[rep[n]].add((rep[u], k))
     return found
 
 
@@ -307,10 +320,11 @@ def _single_use_view(v: fx.Node) -> bool:
 
 
 def merge_followers(
-    tg: TracedGraph, clustering: Clustering, strategies: dict[fx.Node, NodeStrategies]
+    inputs: list[tuple], clustering: Clustering, strategies: dict[fx.Node, NodeStrategies]
 ) -> dict[fx.Node, tuple[fx.Node, np.ndarray]]:
-    """Decide which nodes follow their producer; returns node -> (producer rep, producer idx -> own idx)."""
-    producers = _producer_reps(tg, clustering)
+    """Decide which nodes follow their producer (``inputs``: ``op_inputs``); returns node ->
+    (producer rep, producer idx -> own idx)."""
+    producers = _producer_reps(inputs, clustering)
     follow: dict[fx.Node, tuple[fx.Node, np.ndarray]] = {}
 
     def root_of(n: fx.Node) -> fx.Node:
@@ -389,19 +403,17 @@ def _mapped(labels: tuple[list, np.ndarray], m: np.ndarray) -> tuple[list, np.nd
     return [distinct[i] for i in kept], number[picked]
 
 
-def graph_edges(tg: TracedGraph, clustering: Clustering) -> dict[tuple, int]:
-    """(producer rep, output index, consumer rep, slot) -> how many real edges it stands for.
+def graph_edges(tg: TracedGraph, clustering: Clustering, inputs: list[tuple]) -> dict[tuple, int]:
+    """(producer rep, output index, consumer rep, slot) -> how many real edges it stands for
+    (``inputs``: ``op_inputs``).
 
     Slots are tensor-input positions; ``"out"`` marks a value that must arrive in the consumer's
     *output* placement: a gradient in its parameter's placement, an output in its tangent's.
     """
     rep = clustering.rep
     edges: dict[tuple, int] = defaultdict(int)
-    for n in tg.gm.graph.nodes:
-        if n.op == "call_function" and n.target is not operator.getitem:
-            for j, a in enumerate(tensor_inputs(n)):
-                u, k = value_of(a)
-                edges[(rep[u], k, rep[n], j)] += 1
+    for n, j, u, k in inputs:
+        edges[(rep[u], k, rep[n], j)] += 1
     params = tg.placeholder_for("param")
     for fqn, g in tg.outputs_of("grad_param").items():
         if g is not None:
@@ -437,13 +449,15 @@ def build_problem(
 ) -> PlacementProblem:
     """``least``: each node's compute at its fastest strategy (``OverlapSegment.budget``), where
     ``strategies`` were narrowed (a re-solve fixing some layers); else worked out from them."""
-    follow = merge_followers(tg, clustering, strategies) if merge else {}
+    inputs = _op_inputs(tg, cost_model)
+    follow = merge_followers(inputs, clustering, strategies) if merge else {}
     root = resolve_roots(strategies, follow)
     strats = {n: ns.strategies for n, ns in strategies.items()}
     units = [n for n in strategies if root[n][0] is n]
     unit_cost = {u: np.zeros(len(strats[u])) for u in units}
     where = clustering.instance
-    hiding = overlap.Hiding.of(tg, where)
+    # a re-solve's split clustering keeps its instance map: the walk for parameter-only values runs once
+    hiding = cost_model.derived("hiding", where, functools.partial(overlap.Hiding.of, tg, where))
     budget: dict[str, float] = defaultdict(float)
     least = dict(least or {})
     for v, ss in strats.items():
@@ -453,7 +467,7 @@ def build_problem(
         least.setdefault(v, overlap.least(seconds))
         budget[overlap.segment(where.get(v, ""), overlap.phase(v))] += least[v] * clustering.multiplicity[v]
 
-    edge_mult = graph_edges(tg, clustering)
+    edge_mult = graph_edges(tg, clustering, inputs)
     out_edges, sinks = output_sinks(tg, clustering, fixed_outputs)
     for key, mult in out_edges.items():
         edge_mult[key] += mult
