@@ -34,6 +34,11 @@ INTEGRALITY_TOL = 1e-6
 # and the plan within 1% of its bound differs from the rounding in 8 units: 4 steps reach 2 of
 # them (1.35% above the bound), 6 steps 7 (0.62%, in 3 s, as the whole MIP finds in 80 s).
 NEIGHBOURHOOD_HOPS = (2, 4, 6)
+# The largest share of the integer columns a neighbourhood MIP leaves free: a wider one costs about
+# what the whole MIP does, which then runs on top. 8B's 8x4x4 neighbourhoods free at most 14%; a
+# 1-layer LLaMA pinned to TP (2,160 binaries, rounding 1.7% above its LP) freed 10%, 49%, 56% and
+# 66%, the last three 5-7 s each to find the rounding's plan again, before the whole MIP's 11 s.
+NEIGHBOURHOOD_MAX_FREE = 0.25
 # A step goes only through rows of at most this many times the mean row's entries: a dense row (a
 # layer's overlap budget, a memory cap) ties every column of a layer together, and stepping through
 # it frees the whole layer at once. On 8B's 8x4x4 ILP 4 steps free 2,696 integer columns through
@@ -231,14 +236,16 @@ def _whole_point(model: LinearModel, x: np.ndarray) -> tuple[np.ndarray, float] 
 
 def _neighbourhoods(model: LinearModel, fractional: np.ndarray) -> list[np.ndarray]:
     """The integer columns a neighbourhood MIP leaves free: the fractional ones, then those within
-    ``NEIGHBOURHOOD_HOPS`` steps of them; growing, and never all of them (that is the full MIP)."""
+    ``NEIGHBOURHOOD_HOPS`` steps of them; growing, and never all of them (that is the full MIP)
+    nor more than ``NEIGHBOURHOOD_MAX_FREE`` of them."""
     out: list[np.ndarray] = []
     widest = DENSE_ROW * max(1, model.n_nonzeros // max(1, model.n_rows))
     reach, done = fractional, 0  # every column reached, continuous ones included: paths run through them
     for hops in (0, *NEIGHBOURHOOD_HOPS):
         reach, done = model.near(reach, hops - done, widest), hops  # each ring grows from the last one
         free = reach & model.integer
-        if np.array_equal(free, model.integer) or (out and np.array_equal(free, out[-1])):
+        wide = free.sum() > NEIGHBOURHOOD_MAX_FREE * model.n_integer
+        if wide or np.array_equal(free, model.integer) or (out and np.array_equal(free, out[-1])):
             break
         out.append(free)
     return out
