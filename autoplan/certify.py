@@ -220,7 +220,7 @@ def _side(layout: Layout, unit: fx.Node, labels: np.ndarray) -> _Side:
 
 @dataclass(frozen=True)
 class _Group:
-    """One edge group as a batch needs it, shared by both sweep orders' batches."""
+    """One edge group as a batch needs it."""
 
     src: _Side
     dst: _Side

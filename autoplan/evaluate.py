@@ -57,8 +57,14 @@ def _op_key(n: fx.Node) -> tuple:
     priced once, honestly)."""
     metas = tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype) for a in tensor_inputs(n))
     outs = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in output_vals(n))
-    consts = repr([a for a in n.args if not isinstance(a, fx.Node)])
+    kwargs = {k: v for k, v in n.kwargs.items() if not isinstance(v, fx.Node)}
+    consts = repr(([a for a in n.args if not isinstance(a, fx.Node)], kwargs))
     return (n.target, metas, outs, consts)
+
+
+def _tensor_key(val: torch.Tensor) -> tuple:
+    """What a move's cost reads of the tensor it moves."""
+    return (tuple(val.shape), val.stride(), val.dtype)
 
 
 def evaluate(
@@ -190,14 +196,17 @@ def alternatives(
     are priced once, and a node's strategies all at once: each edge's moves as one cost row
     (hundreds of strategies a node on a 3-D mesh, priced one by one, took seconds)."""
     hiding = overlap.Hiding.of(tg)
-    touching: dict[fx.Node, list[_Edge]] = defaultdict(list)
-    segment_of: dict[_Edge, str | None] = {}
+    # each move with its segment and what its cost reads of the tensor (per value: a stride is a call)
+    touching: dict[fx.Node, list[tuple[_Edge, str | None, tuple]]] = defaultdict(list)
+    tensors: dict[fx.Node, tuple] = {}
     hideable: dict[str, float] = defaultdict(float)
     for e in _edges(tg, chosen, fixed_outputs):
-        touching[e.src].append(e)
+        seg = _hiding_segment(e, hiding)
+        if e.value not in tensors:
+            tensors[e.value] = _tensor_key(e.value.meta["val"])
+        touching[e.src].append((e, seg, tensors[e.value]))
         if e.dst is not None:
-            touching[e.dst].append(e)
-        segment_of[e] = seg = _hiding_segment(e, hiding)
+            touching[e.dst].append((e, seg, tensors[e.value]))
         src, dst = _ends(e, chosen.__getitem__)
         if seg is not None and src != dst:
             hideable[seg] += cost_model.redistribute_cost(src, dst, tensor_meta(e.value.meta["val"]))
@@ -205,20 +214,23 @@ def alternatives(
     def moves(n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
         """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
         rows = []
-        for e in touching[n]:
+        for e, *_ in touching[n]:
             meta = tensor_meta(e.value.meta["val"])
             src, dst = _ends(e, chosen.__getitem__)
             if e.src is n:
-                rows.append(cost_model.redistribute_costs([s.outputs[e.k] for s in candidates], [dst], meta)[:, 0])
+                ends, other = [s.outputs[e.k] for s in candidates], dst
+                row = cost_model.redistribute_costs(ends, [dst], meta)[:, 0]
             else:
-                ends = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates]
-                rows.append(cost_model.redistribute_costs([src], ends, meta)[0])
+                ends, other = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates], src
+                row = cost_model.redistribute_costs([src], ends, meta)[0]
+            # no move where the ends agree (as ``evaluate`` prices it), even one DTensor would refuse
+            rows.append(np.where(cost_model.numbers(ends) == cost_model.numbers([other])[0], 0.0, row))
         return np.array(rows).reshape(len(rows), len(candidates))
 
     def step_seconds(n: fx.Node, seconds: np.ndarray) -> np.ndarray:
         """Per candidate, its moves' exposed seconds plus what each segment they hide under spills
         over its budget, the other nodes' hideable moves kept (column 0: the chosen strategy)."""
-        segments = [segment_of[e] for e in touching[n]]
+        segments = [seg for _, seg, _ in touching[n]]
         out = seconds[[seg is None for seg in segments]].sum(axis=0)
         for seg in dict.fromkeys(s for s in segments if s is not None):
             mine = seconds[[s == seg for s in segments]].sum(axis=0)
@@ -233,11 +245,12 @@ def alternatives(
         opts = options.get(n, ())
         # placements and strategies by identity (every copy of a layer holds its representative's
         # objects, alive while this runs): hashing placements ran in Python, 340 K times on a 3-D mesh
+        # each move's segment by its place among the node's (which moves share one), and its state
+        place = {seg: i for i, seg in enumerate(dict.fromkeys(seg for _, seg, _ in touching[n]))}
         context = tuple(
-            (e.src is n, e.k, e.slot, *map(id, _ends(e, chosen.__getitem__)), e.value.meta["val"].shape)
-            + (e.value.meta["val"].dtype,)
-            + ((hideable[segment_of[e]], budget.get(segment_of[e], 0.0)) if segment_of[e] else ())
-            for e in touching[n]
+            (e.src is n, e.k, e.slot, *map(id, _ends(e, chosen.__getitem__)), tensor)
+            + ((place[seg], hideable[seg], budget.get(seg, 0.0)) if seg else ())
+            for e, seg, tensor in touching[n]
         )
         key = (_node_key(n), id(s0), id(opts), context)
         if key not in memo:
