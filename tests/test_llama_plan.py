@@ -69,6 +69,29 @@ def test_reported_cost_is_the_expanded_cost(llama):
     assert math.isclose(plan.ilp["objective"], plan.cost.total, rel_tol=1e-9)
 
 
+def test_a_3d_plan_costs_what_its_ilp_says_and_its_re_solves_keep_their_start():
+    """LLaMA-3 debug (4 layers) on a (2, 2, 2) mesh: the reduced ILP's objective is the expanded
+    plan's cost, and priced again from scratch it is the same; the boundary re-solves ran."""
+    from autoplan.costs import CostModel
+    from autoplan.evaluate import reprice
+
+    mesh = fake_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=4))
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, 256, (BATCH, SEQ))) as ap:
+        ap.add_input_constraints([(S0, R, R)])
+        ap.add_output_constraints([(S0, R, R)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "reduced ILP objective ... differs from the expanded plan's cost"
+            plan = ap.optimize_placement()
+        again = reprice(ap.traced, plan, CostModel(mesh, ap.device_profile), ap._outputs)
+    assert plan.mesh_shape == (2, 2, 2) and plan.solver["gap"] <= 0.01
+    assert math.isclose(plan.ilp["objective"], plan.cost.total, rel_tol=1e-9)
+    assert math.isclose(again.cost.total, plan.cost.total, rel_tol=1e-9)
+    assert [r["layers"] for r in plan.ilp["refinements"]] == [["layers.0"], ["layers.3"]]
+    assert any(any(p != R for p in pl) for n in plan.nodes.values() for pl in n.outputs if pl is not None)
+
+
 def test_reductions_do_not_change_the_optimum():
     # four layers: two middle ones share decisions, the first and last are re-solved on their own
     plan, _, _ = plan_llama(memory_fraction=None, n_layers=4)
