@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from autoplan import overlap
-from autoplan.adapters.dtensor import tensor_meta
+from autoplan.adapters.dtensor import TensorMeta, tensor_meta
 from autoplan.costs import CostModel
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
 from autoplan.problem import PlacementProblem, ideal_seconds, shared_strategy_costs, strategy_costs
@@ -60,11 +60,6 @@ def _op_key(n: fx.Node) -> tuple:
     kwargs = {k: v for k, v in n.kwargs.items() if not isinstance(v, fx.Node)}
     consts = repr(([a for a in n.args if not isinstance(a, fx.Node)], kwargs))
     return (n.target, metas, outs, consts)
-
-
-def _tensor_key(val: torch.Tensor) -> tuple:
-    """What a move's cost reads of the tensor it moves."""
-    return (tuple(val.shape), val.stride(), val.dtype)
 
 
 def evaluate(
@@ -196,26 +191,25 @@ def alternatives(
     are priced once, and a node's strategies all at once: each edge's moves as one cost row
     (hundreds of strategies a node on a 3-D mesh, priced one by one, took seconds)."""
     hiding = overlap.Hiding.of(tg)
-    # each move with its segment and what its cost reads of the tensor (per value: a stride is a call)
-    touching: dict[fx.Node, list[tuple[_Edge, str | None, tuple]]] = defaultdict(list)
-    tensors: dict[fx.Node, tuple] = {}
+    # each move with its segment and the tensor it moves (its meta made once per value: a stride is a call)
+    touching: dict[fx.Node, list[tuple[_Edge, str | None, TensorMeta]]] = defaultdict(list)
+    metas: dict[fx.Node, TensorMeta] = {}
     hideable: dict[str, float] = defaultdict(float)
     for e in _edges(tg, chosen, fixed_outputs):
         seg = _hiding_segment(e, hiding)
-        if e.value not in tensors:
-            tensors[e.value] = _tensor_key(e.value.meta["val"])
-        touching[e.src].append((e, seg, tensors[e.value]))
+        if e.value not in metas:
+            metas[e.value] = tensor_meta(e.value.meta["val"])
+        touching[e.src].append((e, seg, metas[e.value]))
         if e.dst is not None:
-            touching[e.dst].append((e, seg, tensors[e.value]))
+            touching[e.dst].append((e, seg, metas[e.value]))
         src, dst = _ends(e, chosen.__getitem__)
         if seg is not None and src != dst:
-            hideable[seg] += cost_model.redistribute_cost(src, dst, tensor_meta(e.value.meta["val"]))
+            hideable[seg] += cost_model.redistribute_cost(src, dst, metas[e.value])
 
     def moves(n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
         """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
         rows = []
-        for e, *_ in touching[n]:
-            meta = tensor_meta(e.value.meta["val"])
+        for e, _, meta in touching[n]:
             src, dst = _ends(e, chosen.__getitem__)
             if e.src is n:
                 ends, other = [s.outputs[e.k] for s in candidates], dst
@@ -244,13 +238,13 @@ def alternatives(
             continue
         opts = options.get(n, ())
         # placements and strategies by identity (every copy of a layer holds its representative's
-        # objects, alive while this runs): hashing placements ran in Python, 340 K times on a 3-D mesh
-        # each move's segment by its place among the node's (which moves share one), and its state
+        # objects, alive while this runs): hashing placements ran in Python, 340 K times on a 3-D
+        # mesh; each move's segment by its place among the node's (which moves share one), and its state
         place = {seg: i for i, seg in enumerate(dict.fromkeys(seg for _, seg, _ in touching[n]))}
         context = tuple(
-            (e.src is n, e.k, e.slot, *map(id, _ends(e, chosen.__getitem__)), tensor)
+            (e.src is n, e.k, e.slot, *map(id, _ends(e, chosen.__getitem__)), meta)
             + ((place[seg], hideable[seg], budget.get(seg, 0.0)) if seg else ())
-            for e, seg, tensor in touching[n]
+            for e, seg, meta in touching[n]
         )
         key = (_node_key(n), id(s0), id(opts), context)
         if key not in memo:
