@@ -108,3 +108,121 @@ class SelfAttention(nn.Module):
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with BatchNorm, a projected shortcut when the width
+    or stride changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A small ResNet as users write it: a stem, BasicBlocks of growing widths in one ``nn.Sequential``
+    (same class, different shapes), global pooling and a classifier with a class count no mesh splits."""
+
+    def __init__(self, widths=(8, 16, 32), blocks_per_width: int = 2, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        blocks, c_in = [], widths[0]
+        for i, c in enumerate(widths):
+            for j in range(blocks_per_width):
+                blocks.append(BasicBlock(c_in, c, stride=2 if i > 0 and j == 0 else 1))
+                c_in = c
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(c_in, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+class ViT(nn.Module):
+    """A small vision transformer: patch embedding, a class token, 197 learned positions (14x14 patches
+    and the class token: no mesh of 2 or 4 splits them), pre-norm encoder layers, a head on the token."""
+
+    def __init__(self, image: int = 56, patch: int = 4, dim: int = 32, heads: int = 4, layers: int = 2, classes=10):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        layer = lambda: nn.TransformerEncoderLayer(  # noqa: E731
+            dim, heads, 2 * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.encoder = nn.ModuleList([layer() for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], dim=1) + self.pos
+        for layer in self.encoder:
+            tokens = layer(tokens)
+        return self.head(self.norm(tokens[:, 0]))
+
+
+class EncDec(nn.Module):
+    """A T5-like encoder-decoder called with keywords: ``forward(input_ids, decoder_input_ids,
+    attention_mask=None, scale=1.0)``; the mask is optional and a Python float scales the logits."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.encoder = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+        self.decoder = nn.TransformerDecoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids, decoder_input_ids, attention_mask=None, scale: float = 1.0):
+        memory = self.embed(input_ids)
+        if attention_mask is not None:
+            memory = memory * attention_mask.unsqueeze(-1)
+        memory = self.encoder(memory)
+        out = self.decoder(self.embed(decoder_input_ids), memory)
+        return self.lm_head(out) * scale
+
+
+class _Square(torch.autograd.Function):
+    """x**2 with a hand-written backward (2x * grad)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class CheckpointedMLP(nn.Module):
+    """Layers run under ``torch.utils.checkpoint`` through closures over the layer, with a custom
+    ``autograd.Function`` inside."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, layers: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.Linear(hidden, dim)) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+
+            def block(h, layer=layer):
+                return h + layer[1](_Square.apply(torch.tanh(layer[0](h))))
+
+            x = checkpoint(block, x, use_reentrant=False)
+        return x

@@ -55,7 +55,7 @@ def write_state(t: torch.Tensor) -> tuple:
     bytes, per simulated rank for a simulated-rank tensor (whose in-place ops under the simulation
     may leave every count alone, so the bytes decide)."""
     parts = [v for _, v in sorted(t._local_tensors.items())] if isinstance(t, LocalTensor) else [t]
-    return tuple((v._version, v.detach().contiguous().view(torch.uint8).clone()) for v in parts)
+    return tuple((v._version, v.detach().reshape(-1).view(torch.uint8).clone()) for v in parts)
 
 
 def same_state(a: tuple, b: tuple) -> bool:
