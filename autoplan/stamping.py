@@ -271,15 +271,24 @@ def _chained(rec: Recording) -> bool:
     return True
 
 
-def proven_repeats(full: Recording, short: Recording, n_layers: int, n_short: int, stack_path: str) -> bool:
-    """The full forward is the short one with more copies of one layer in its stack."""
-    if not (full.ordered and short.ordered) or len(full.layer_inputs) != n_layers or len(short.layer_inputs) != n_short:
+def layers_alike(full: Recording, n_layers: int, stack_path: str) -> bool:
+    """Every layer call of the full forward runs the same ops on tensors of the same shapes (its own
+    parameters' included), chained from the previous layer: checked before the stack is truncated, since
+    layers that differ (in width, stride, a flag or their submodules) may not even run as a short stack."""
+    if not full.ordered or len(full.layer_inputs) != n_layers:
         return False
     first = _layer_sig(full, 0, stack_path)
-    same = all(_layer_sig(full, i, stack_path) == first for i in range(1, n_layers))
-    same = same and all(_layer_sig(short, i, stack_path) == first for i in range(n_short))
+    return all(_layer_sig(full, i, stack_path) == first for i in range(1, n_layers)) and _chained(full)
+
+
+def proven_repeats(full: Recording, short: Recording, n_layers: int, n_short: int, stack_path: str) -> bool:
+    """The full forward is the short one with more copies of one layer in its stack."""
+    if not layers_alike(full, n_layers, stack_path) or not short.ordered or len(short.layer_inputs) != n_short:
+        return False
+    first = _layer_sig(full, 0, stack_path)
+    same = all(_layer_sig(short, i, stack_path) == first for i in range(n_short))
     full_outer, short_outer = _outer_sig(full, n_layers), _outer_sig(short, n_short)
-    return same and full_outer == short_outer and full_outer[2] and _chained(full)
+    return same and full_outer == short_outer and full_outer[2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -468,8 +468,15 @@ def _trace_repeats(
     """The joint graph of ``wrapper`` traced with two layers of ``stack`` and stamped to all of them,
     or ``None`` where that is not proven to give what tracing every layer gives. ``full`` is the
     recording of the whole model's forward, ``flat_out`` its outputs."""
-    with stamping.truncated(stack, 2):
-        short = _probe(wrapper, args, fake_mode, functools.partial(stamping.recording, stack))[1]
+    if not stamping.layers_alike(full, len(stack.layers), _PREFIX + stack.path):
+        log.debug("layers of %s differ: tracing all of them", stack.path)
+        return None
+    try:
+        with stamping.truncated(stack, 2):
+            short = _probe(wrapper, args, fake_mode, functools.partial(stamping.recording, stack))[1]
+    except Exception as e:  # noqa: BLE001 - code that needs every layer (a depth check) is not a repeat
+        log.debug("%s does not run with two layers (%s): tracing all of them", stack.path, e)
+        return None
     if not stamping.proven_repeats(full, short, len(stack.layers), 2, _PREFIX + stack.path):
         log.debug("layers of %s are not proven identical: tracing all of them", stack.path)
         return None

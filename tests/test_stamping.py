@@ -2,6 +2,8 @@
 layer gives, node for node, and a plan of it runs with single-device numerics. Layers that differ,
 a gradient shared across layers, or code that depends on the depth are traced layer by layer."""
 
+import math
+
 import pytest
 import torch
 from conftest import fake_mesh
@@ -93,6 +95,53 @@ def test_sequential_stack_is_stamped():
     model = nn.Sequential(nn.Linear(8, 16), blocks)
     stamped, full = _both(model, lambda: (torch.randn(4, 8),), loss_fn=lambda y: y.square().mean())
     assert stamped.stamped == 7 and _same(stamped, full)
+
+
+class Varied(nn.Module):
+    """A block whose constructor arguments change its shapes or its code: a width, a stride, a flag
+    and an optional submodule."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1, flag: bool = False, extra: bool = False):
+        super().__init__()
+        self.conv = nn.Conv1d(c_in, c_out, 3, stride, 1)
+        self.flag = flag
+        self.extra = nn.Linear(c_out, c_out) if extra else None
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        if self.flag:
+            y = y * 0.5
+        if self.extra is not None:
+            y = self.extra(y.transpose(1, 2)).transpose(1, 2)
+        return y
+
+
+@pytest.mark.parametrize(
+    "differs",
+    [
+        dict(widths=[8, 8, 8, 8, 16, 16, 16, 16]),  # a ResNet's stages: the width grows
+        dict(strides=[1, 1, 1, 2, 1, 1, 1, 1]),
+        dict(flags=[False] * 7 + [True]),
+        dict(extras=[True] + [False] * 7),
+    ],
+    ids=["width", "stride", "flag", "submodule"],
+)
+def test_blocks_of_one_class_that_differ_are_not_tied(differs):
+    """Eight blocks of one class in one ``nn.Sequential`` that differ in a width, a stride, a flag or a
+    submodule trace like ``repeats=False`` (no error from a truncated trial stack, nothing stamped);
+    the same eight blocks made alike are stamped."""
+    n = 8
+    widths = differs.get("widths", [8] * n)
+    strides, flags, extras = (differs.get(k, [d] * n) for k, d in (("strides", 1), ("flags", False), ("extras", False)))
+    blocks = [Varied(8 if i == 0 else widths[i - 1], widths[i], strides[i], flags[i], extras[i]) for i in range(n)]
+    length = 32 // math.prod(strides)
+    # a head that fits the last block only: a two-block trial stack of different widths would fail in it
+    model = nn.Sequential(nn.Conv1d(8, 8, 1), nn.Sequential(*blocks), nn.Flatten(), nn.Linear(widths[-1] * length, 4))
+    stamped, full = _both(model, lambda: (torch.randn(2, 8, 32),), loss_fn=lambda y: y.square().mean())
+    assert (stamped.stamped, full.stamped) == (0, 0)
+    assert _same(stamped, full)
+    alike = nn.Sequential(nn.Conv1d(8, 8, 1), nn.Sequential(*(Varied(8, 8) for _ in range(n))), nn.Flatten())
+    assert trace_joint(alike, lambda: (torch.randn(2, 8, 32),), loss_fn=lambda y: y.square().mean()).stamped == 6
 
 
 def test_stamped_llama_plan_runs_with_single_device_numerics():
