@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_flatten
 
 from autoplan import memory, mismatch, recompute
@@ -251,7 +251,8 @@ class AutoParallel:
 
     def add_output_constraints(self, constraints: Sequence[Sequence | None]) -> None:
         """Placements of the model outputs (and of their incoming gradients)."""
-        outputs = self._require_traced().outputs_of("output")
+        tg = self._require_traced()
+        outputs = {i: o for i, o in tg.outputs_of("output").items() if i not in tg.written_buffers}
         if len(constraints) > len(outputs):
             raise ConstraintError(
                 f"{len(constraints)} output constraints given, but the model has {len(outputs)} outputs"
@@ -378,7 +379,16 @@ class AutoParallel:
         for pin in self._pins:
             name = f"node constraint {pin.target} = {placements_str(pin.placements)}"
             fixed.append((name, self._pin_targets(pin.target), pin.placements))
+        buffers, replicated = tg.placeholder_for("buffer"), (Replicate(),) * self.mesh.ndim
+        for fqn in tg.written_buffers.values():
+            fixed.append((f"buffer {fqn}, written by the forward, is replicated", [buffers[fqn]], replicated))
         return fixed
+
+    def _output_placements(self) -> dict[int, Placements]:
+        """Where outputs must end up: the user's constraints, and the new values of written buffers
+        replicated like the buffers they are copied into."""
+        tg = self._require_traced()
+        return self._outputs | {i: (Replicate(),) * self.mesh.ndim for i in tg.written_buffers}
 
     def apply_placement(
         self,
@@ -411,11 +421,13 @@ class AutoParallel:
         with collector_paused():  # the passes and lowering build graphs as large as the trace
             if remove_round_trips:
                 cost_model = CostModel(self.mesh, self.device_profile)
-                tg, applied, trips = alias_roundtrip.remove_round_trips(tg, plan, cost_model, self._outputs)
+                tg, applied, trips = alias_roundtrip.remove_round_trips(tg, plan, cost_model, self._output_placements())
             else:
                 applied, trips = plan, RoundTripStats(0, 0)
             rerun = frozenset(n.name for n in recompute.chosen_nodes(tg.gm.graph, applied.recompute))
-            lowered = lower(tg, applied, self.mesh, self._outputs, reshard_after_forward, fuse_gathers, rerun)
+            lowered = lower(
+                tg, applied, self.mesh, self._output_placements(), reshard_after_forward, fuse_gathers, rerun
+            )
         regions: dict[fx.GraphModule, RegionStats] = {}
 
         def compile_graph(gm: fx.GraphModule) -> Callable:
@@ -430,7 +442,15 @@ class AutoParallel:
             for o in tg.outputs_of("output").values()
         ]
         pmod = build_parallel_module(
-            self.model, self.mesh, lowered, plan.param_placements, buffers, outputs, executor, return_dtensor
+            self.model,
+            self.mesh,
+            lowered,
+            plan.param_placements,
+            buffers,
+            outputs,
+            executor,
+            return_dtensor,
+            [fqn for _, fqn in sorted(tg.written_buffers.items())],
         )
         self.timings["apply"] = time.perf_counter() - t0
         self.lowered, self.applied_plan = lowered, applied
@@ -467,7 +487,7 @@ class AutoParallel:
         self._require_traced()
         request = Request(
             fixed=self._fixed_outputs(),
-            outputs=dict(self._outputs),
+            outputs=self._output_placements(),
             param_budget=self._param_budget,
             peak_budget=self._peak_budget,
             recompute=dict(self._recompute),

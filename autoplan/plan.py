@@ -158,6 +158,8 @@ class Plan:
     layer_classes: list[list[str]] = field(default_factory=list)
     passes: dict[str, int] = field(default_factory=dict)  # what the post-solve passes did when applied
     recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute option (``autoplan.recompute``)
+    # module -> forward ops the model's own checkpointing (``torch.utils.checkpoint``) reruns in backward
+    checkpointed: dict[str, int] = field(default_factory=dict)
     # per layer and phase: the compute its prefetches and gradient reductions can hide under, s
     overlap_budget: dict[str, float] = field(default_factory=dict)
     # what the plan was made for: each parameter's, buffer's and input's dtype and global shape
@@ -180,7 +182,7 @@ class Plan:
             f" / bwd {self.cost.compute_backward * 1e3:.2f}, comm fwd {self.cost.comm_forward * 1e3:.2f}"
             f" / bwd {self.cost.comm_backward * 1e3:.2f} of which {self.cost.hidden_comm * 1e3:.2f} under compute,"
             f" recompute {self.cost.recompute * 1e3:.2f}); MFU {self.cost.mfu:.1%}",
-            f"recompute: {_recompute_line(self.recompute)}",
+            f"recompute: {_recompute_line(self.recompute, self.checkpointed)}",
             f"memory per device: params {_gib(self.memory.param_bytes)}, grads {_gib(self.memory.grad_bytes)},"
             f" optimizer {_gib(self.memory.optimizer_bytes)}, activations saved {_gib(self.memory.activation_bytes)}",
             f"estimated peak: {_gib(self.memory.peak_bytes)} at {self.memory.peak_at} ({self.memory.peak_phase}): "
@@ -322,6 +324,7 @@ class Plan:
             layer_classes=d["layer_classes"],
             passes=d.get("passes", {}),
             recompute=d.get("recompute", {}),
+            checkpointed=d.get("checkpointed", {}),
             overlap_budget=d.get("overlap_budget", {}),
             signature=d.get("signature", {}),
         )
@@ -362,14 +365,18 @@ def _pass_lines(passes: dict[str, int]) -> list[str]:
     return lines
 
 
-def _recompute_line(choice: dict[str, str]) -> str:
-    """``full: layers.0-31`` style: layers grouped by option."""
-    if not choice:
-        return "none (every forward value the backward reads is saved)"
+def _recompute_line(choice: dict[str, str], checkpointed: dict[str, int]) -> str:
+    """``full: layers.0-31`` style: layers grouped by option, then what the model checkpoints itself."""
     by_option: dict[str, list[str]] = defaultdict(list)
     for layer, option in choice.items():
         by_option[option].append(layer)
-    return "; ".join(f"{option} on {len(layers)} layers ({', '.join(layers)})" for option, layers in by_option.items())
+    parts = [f"{option} on {len(layers)} layers ({', '.join(layers)})" for option, layers in by_option.items()]
+    if checkpointed:
+        parts.append(
+            f"the model's own checkpointing reruns {sum(checkpointed.values())} forward ops in backward"
+            f" ({', '.join(checkpointed)})"
+        )
+    return "; ".join(parts) if parts else "none (every forward value the backward reads is saved)"
 
 
 def _refinement_lines(refinements: list[dict]) -> list[str]:

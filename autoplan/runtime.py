@@ -108,8 +108,21 @@ class ParallelMixin:
         buffers = [b.to_local() if isinstance(b, DTensor) else b for b in state.buffers(self)]
         coordinate, *constants = state.per_rank([state.coordinate(), *buffers, *flat])
         outs = _PlanFunction.apply(state.executor, coordinate, *params, *constants)
+        if state.written_buffers:
+            outs = _write_buffers(self, state.written_buffers, outs)
         outs = [state.wrap_output(i, o) for i, o in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _write_buffers(module: nn.Module, written: list[str], outs: tuple) -> tuple:
+    """Copy the step's new buffer values (the outputs after the model's own) into the module's
+    buffers, as the model's forward writes them; the model's outputs remain."""
+    n = len(outs) - len(written)
+    with torch.no_grad():
+        for fqn, value in zip(written, outs[n:]):
+            buffer = module.get_buffer(fqn)
+            (buffer.to_local() if isinstance(buffer, DTensor) else buffer).copy_(value)
+    return outs[:n]
 
 
 def _non_persistent(module: nn.Module) -> list[str]:
@@ -167,6 +180,7 @@ class _State:
     output_placements: list[Placements | None]
     output_shapes: list[tuple[torch.Size, tuple[int, ...]] | None]
     return_dtensor: bool
+    written_buffers: list[str]  # buffers the forward writes, in the order their new values follow the outputs
     coordinates: dict = field(default_factory=dict)  # per simulated world (``world_key``): this rank's mesh coordinate
     unfilled: dict = field(default_factory=dict)  # non-persistent buffer FQN -> ``_written`` right after to_empty
 
@@ -239,6 +253,7 @@ def build_parallel_module(
     output_shapes: list,
     executor: Executor,
     return_dtensor: bool = False,
+    written_buffers: list[str] = (),
 ) -> nn.Module:
     memo: dict[int, object] = {}
     for fqn, p in model.named_parameters():
@@ -271,6 +286,7 @@ def build_parallel_module(
             output_placements=lowered.output_placements[: lowered.n_outputs],
             output_shapes=output_shapes,
             return_dtensor=return_dtensor,
+            written_buffers=list(written_buffers),
         ),
     )
     return pmod

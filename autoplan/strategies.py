@@ -280,9 +280,12 @@ def _filter(node: fx.Node, cands: Iterable[Strategy], mesh_shape: Sequence[int])
     ins = [a.meta["val"] for a in tensor_inputs(node)]
     outs = output_vals(node)
     seen: dict[Strategy, None] = {}
+    absent = [not isinstance(v, torch.Tensor) for v in outs]
     for s in cands:
         if len(s.inputs) != len(ins) or len(s.outputs) != len(outs):
             continue
+        if any(absent):  # an output the call does not make (a masked-off gradient) has no placement
+            s = Strategy(tuple(None if a else p for p, a in zip(s.outputs, absent)), s.inputs)
         if all(is_valid(p, v, mesh_shape) for p, v in zip(s.outputs, outs)) and all(
             is_valid(p, v, mesh_shape) for p, v in zip(s.inputs, ins)
         ):

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from autoplan import attention as attn
 from autoplan import stamping
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 from autoplan.adapters.fx import lazy_graph_modules
+from autoplan.batch_norm import batch_norm
 from autoplan.errors import ConstraintError
 from autoplan.progress import ticker
 from autoplan.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
@@ -36,6 +38,8 @@ from autoplan.trace_errors import named_failures
 
 aten = torch.ops.aten
 PHASE_KEY = "autoplan_phase"
+RERUN_KEY = "autoplan_rerun"  # a forward op the model's own checkpointing runs again in the backward
+_BACKWARD = "autoplan_backward"  # in the tracer's current meta while the backward is traced
 log = logging.getLogger(__name__)
 
 
@@ -50,6 +54,9 @@ class TracedGraph:
     fake_mode: FakeTensorMode = field(repr=False)
     tied: dict[str, str] = field(default_factory=dict)  # FQN of a shared parameter/buffer -> its traced FQN
     stamped: int = 0  # layers of a repeated stack copied from a traced one rather than traced (``stamping``)
+    # outputs that are the new values of buffers the forward writes (output index -> buffer FQN): they
+    # follow the model's own outputs, stay replicated like their buffers and are copied back after a step
+    written_buffers: dict[int, str] = field(default_factory=dict)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -58,6 +65,14 @@ class TracedGraph:
     @property
     def output_node(self) -> fx.Node:
         return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+
+    def checkpointed(self) -> dict[str, int]:
+        """Module path -> forward ops the model's own checkpointing runs again in the backward."""
+        counts: dict[str, int] = {}
+        for n in self.gm.graph.nodes:
+            if n.meta.get(RERUN_KEY):
+                counts[n.meta[PATH_KEY]] = counts.get(n.meta[PATH_KEY], 0) + 1
+        return dict(sorted(counts.items()))
 
     def placeholder_for(self, kind: str) -> dict[Any, fx.Node]:
         """Map label target -> placeholder for one kind ("param", "buffer", "input", "tangent")."""
@@ -136,7 +151,10 @@ def _fake_skeleton(model: nn.Module, fake_mode: FakeTensorMode, device: torch.de
 @contextlib.contextmanager
 def _record_module_paths(root: nn.Module, tick: Callable[[], None]):
     """Keep ``nn_module_stack`` in the tracer's current meta up to date with forward hooks (and count
-    module calls, the progress of a trace)."""
+    module calls, the progress of a trace). A module called while the backward is traced is the
+    model's own checkpointing running its forward again: the ops it makes are marked ``RERUN_KEY``.
+    The exit hook runs even when a recomputation raises (a checkpoint stops it early so); a failing
+    forward keeps its module on the stack for the error that names it."""
     handles = []
 
     def pre(name: str):
@@ -145,14 +163,22 @@ def _record_module_paths(root: nn.Module, tick: Callable[[], None]):
             stack = dict(fx_traceback.current_meta.get("nn_module_stack", {}))
             stack[name] = (name, type(mod))
             fx_traceback.current_meta["nn_module_stack"] = stack
+            custom = fx_traceback.current_meta.get("custom") or {}
+            if custom.get(_BACKWARD):
+                fx_traceback.current_meta["custom"] = {**custom, RERUN_KEY: True}
 
         return hook
 
     def post(name: str):
         def hook(mod, args, out):
+            custom = fx_traceback.current_meta.get("custom") or {}
+            if sys.exc_info()[1] is not None and not custom.get(RERUN_KEY):
+                return  # a failing forward: its error is reported with the module it failed in
             stack = dict(fx_traceback.current_meta.get("nn_module_stack", {}))
             stack.pop(name, None)
             fx_traceback.current_meta["nn_module_stack"] = stack
+            if custom.get(RERUN_KEY) and not stack:
+                fx_traceback.current_meta["custom"] = {_BACKWARD: True}
 
         return hook
 
@@ -160,7 +186,7 @@ def _record_module_paths(root: nn.Module, tick: Callable[[], None]):
         if name.startswith(_PREFIX):
             fqn = name[len(_PREFIX) :]
             handles.append(mod.register_forward_pre_hook(pre(fqn)))
-            handles.append(mod.register_forward_hook(post(fqn)))
+            handles.append(mod.register_forward_hook(post(fqn), always_call=True))
     try:
         yield
     finally:
@@ -236,8 +262,10 @@ def _sdpa_kernel_call(
     return kernel(query, key, value, bias, lse, dropout_p, is_causal, scale=scale)[0]
 
 
-class _AttentionKernels(TorchFunctionMode):
-    """While tracing, ``F.scaled_dot_product_attention`` calls the aten kernel ``option`` picks."""
+class _TracedFunctions(TorchFunctionMode):
+    """While tracing, ``F.scaled_dot_product_attention`` calls the aten kernel ``option`` picks (the
+    host's own dispatch for ``"cpu"``), and ``F.batch_norm`` computes its statistics with reductions
+    the planner can split (``autoplan.batch_norm``)."""
 
     def __init__(self, option: str):
         super().__init__()
@@ -245,14 +273,11 @@ class _AttentionKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention and self.option != "cpu":
             return _sdpa_kernel_call(self.option, *args, **kwargs)
+        if func is F.batch_norm:
+            return batch_norm(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-def _attention_mode(option: str) -> contextlib.AbstractContextManager:
-    """``"cpu"`` leaves attention to the host's own dispatch (a CPU mesh traces the CPU flash op)."""
-    return contextlib.nullcontext() if option == "cpu" else _AttentionKernels(option)
 
 
 def _deepest_path(node: fx.Node) -> str:
@@ -323,18 +348,46 @@ def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode, f
         out = tree_flatten(torch.func.functional_call(wrapper, state, inputs))[0]
         wrt = [*primals[:n_p], *(primals[n_p + n_b + i] for i in diff_in)]
         _tag_backward_seq_nr([out[i] for i in diff_out])
-        grads = (
-            torch.autograd.grad([out[i] for i in diff_out], wrt, tangents, allow_unused=True)
-            if diff_out
-            else [None] * len(wrt)
-        )
+        fx_traceback.current_meta["custom"] = {_BACKWARD: True}
+        try:
+            grads = (
+                torch.autograd.grad([out[i] for i in diff_out], wrt, tangents, allow_unused=True)
+                if diff_out
+                else [None] * len(wrt)
+            )
+        finally:
+            fx_traceback.current_meta.pop("custom", None)
         return [*out, *grads]
 
     primals = [p.detach().requires_grad_(p.requires_grad) for _, p in named_params]
     primals += [b for _, b in named_buffers] + flat_args
     with fake_mode, lazy_graph_modules():
         gm = make_fx(joint, tracing_mode="real")(primals, tangents)
-    return (gm, *_labels(wrapper, flat_args, flat_out))
+    in_labels, out_labels = _labels(wrapper, flat_args, flat_out)
+    _lift_module_constants(gm, in_labels, wrapper)
+    return gm, in_labels, out_labels
+
+
+def _lift_module_constants(gm: fx.GraphModule, in_labels: list, wrapper: nn.Module) -> None:
+    """Read the parameter or buffer placeholder where the graph reads a module's own tensor as a
+    constant. A checkpointed closure over a layer recomputes in backward, after the traced call has
+    put the module's own tensors back in place of the placeholders, so the tracer saw them as
+    constants (``_param_constant0``); they are the same tensors, by identity."""
+    owned = {id(t): ("param", fqn) for fqn, t in wrapper.named_parameters()}
+    owned |= {id(t): ("buffer", fqn) for fqn, t in wrapper.named_buffers()}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_label = {tuple(lab): n for n, lab in zip(placeholders, in_labels)}
+    changed = False
+    for n in list(gm.graph.find_nodes(op="get_attr")):
+        label = owned.get(id(getattr(gm, n.target, None)))
+        if label is None:
+            continue
+        n.replace_all_uses_with(by_label[label])
+        gm.graph.erase_node(n)
+        delattr(gm, n.target)
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def _labels(wrapper: _LossWrapper, flat_args: list, flat_out: list) -> tuple[list, list]:
@@ -373,6 +426,23 @@ def _drop_empty_outputs(gm: fx.GraphModule, labels: list) -> list:
     out.args = ([out.args[0][i] for i in keep],)
     gm.recompile()
     return [labels[i] for i in keep]
+
+
+def _buffer_updates_as_outputs(gm: fx.GraphModule, labels: list) -> dict[str, str]:
+    """Put the new values of the buffers the forward writes (BatchNorm's running statistics) right
+    after the model outputs, labelled as further outputs: forward values with no gradient, which the
+    parallel module copies back into its buffers after each step. Returns output label -> buffer FQN."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = dict(zip(map(tuple, labels), out.args[0]))
+    outputs = [lab for lab in labels if lab[0] == "output"]
+    written = [lab for lab in labels if lab[0] == "buffer_update"]
+    new = {("output", len(outputs) + j): lab for j, lab in enumerate(written)}
+    order = outputs + list(new) + [lab for lab in labels if lab[0] not in ("output", "buffer_update")]
+    values |= {lab: values[old] for lab, old in new.items()}
+    out.args = ([values[lab] for lab in order],)
+    gm.recompile()
+    labels[:] = order
+    return {lab[1]: old[1] for lab, old in new.items()}
 
 
 def _shared_names(wrapper: nn.Module) -> dict[str, str]:
@@ -440,6 +510,8 @@ def _label_paths(gm: fx.GraphModule) -> None:
     stack an earlier trace left in its current meta."""
     for node in gm.graph.nodes:
         node.meta[PATH_KEY] = "" if node.op == "placeholder" else _deepest_path(node)
+        if (node.meta.get("custom") or {}).get(RERUN_KEY) and node.op == "call_function":
+            node.meta[RERUN_KEY] = True
     _inherit_backward_paths(gm)
 
 
@@ -506,7 +578,7 @@ def _enter_tracing(stack: contextlib.ExitStack, wrapper: nn.Module, attention: s
     tick = stack.enter_context(ticker(desc, "module calls"))
     stack.enter_context(fx_traceback.preserve_node_meta())
     stack.enter_context(_record_module_paths(wrapper, tick))
-    stack.enter_context(_attention_mode(attention))
+    stack.enter_context(_TracedFunctions(attention))
     stack.enter_context(named_failures(_current_module_path))
 
 
@@ -534,7 +606,7 @@ def trace_joint(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn)
     args = make_fake_inputs(input_fn, fake_mode, device)
-    joint, shared = None, _shared_names(wrapper)
+    joint, shared, written = None, _shared_names(wrapper), {}
     stack = stamping.find_stack(wrapper, _PREFIX) if repeats else None
     with contextlib.ExitStack() as es:
         _enter_tracing(es, wrapper, attention, "tracing")
@@ -551,6 +623,7 @@ def trace_joint(
             _enter_tracing(es, wrapper, attention, "tracing (functionalized)")
             gm, in_labels, out_labels, joint = export_joint(es, wrapper, args)
         out_labels = _drop_empty_outputs(gm, out_labels)
+        written = _buffer_updates_as_outputs(gm, out_labels)
         with fake_mode:
             _merge_tied(gm, in_labels, out_labels, shared)
         _label_paths(gm)
@@ -563,4 +636,5 @@ def trace_joint(
         fake_mode=fake_mode,
         tied={_strip(("", a))[1]: _strip(("", b))[1] for a, b in shared.items()},
         stamped=stamped,
+        written_buffers={i: _strip(("", fqn))[1] for i, fqn in written.items()},
     )

@@ -10,6 +10,7 @@ from torch import nn
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
     GradAOTOutput,
+    InputMutationAOTOutput,
     ParamAOTInput,
     PlainAOTInput,
     PlainAOTOutput,
@@ -18,7 +19,8 @@ from torch._functorch._aot_autograd.descriptors import (
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 InputLabel = tuple[str, Any]  # ("param", fqn) | ("buffer", fqn) | ("input", i) | ("tangent", i)
-OutputLabel = tuple[str, Any]  # ("output", i) | ("grad_param", fqn) | ("grad_input", i)
+# ("output", i) | ("buffer_update", fqn) | ("grad_param", fqn) | ("grad_input", i)
+OutputLabel = tuple[str, Any]
 
 
 def _input_label(desc: Any) -> InputLabel:
@@ -39,6 +41,8 @@ def _output_label(desc: Any) -> OutputLabel:
         return ("none", None)
     if isinstance(desc, PlainAOTOutput):
         return ("output", desc.idx)
+    if isinstance(desc, InputMutationAOTOutput) and isinstance(desc.mutated_input, BufferAOTInput):
+        return ("buffer_update", desc.mutated_input.target)  # a buffer the forward writes: its new value
     if isinstance(desc, GradAOTOutput):
         kind, target = _input_label(desc.grad_of)
         return ("grad_" + kind, target)

@@ -1,0 +1,170 @@
+"""Models users bring beyond decoders, written the usual way: each planned on a fake (2, 4) mesh, run
+for two AdamW steps on 8 simulated ranks (``LocalTensorMode``) and checked against the same model on
+one device: the losses, every parameter's gradient and every buffer the step writes."""
+
+import pytest
+import torch
+from conftest import fake_mesh
+from models import CheckpointedMLP, ResNet
+from parallel_run import close
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from autoplan import AutoParallel, Plan
+
+RANKS, STEPS = 8, 2
+R, S0 = Replicate(), Shard(0)
+IO = (S0, R)
+aten = torch.ops.aten
+
+
+def _one(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's value of a replicated tensor, after checking every simulated rank holds it."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    if not isinstance(t, LocalTensor):
+        return t
+    values = [t._local_tensors[r] for r in range(RANKS)]
+    assert all(torch.equal(v, values[0]) for v in values[1:])
+    return values[0]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A squared error against fixed targets: BatchNorm makes the gradients of a plain mean of the
+    outputs cancel to round-off, which no fp32 comparison could check."""
+    return (out - target).square().mean()
+
+
+def run_both(build, batches, targets, constrain=lambda ap: None):
+    """Two AdamW steps of ``build()`` on one device and of its plan on 8 simulated ranks.
+    Returns the plan, the lowered graph's collectives and what differs (an empty list when all match)."""
+    torch.manual_seed(0)
+    ref = build()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses, ref_grads = [], {}
+    for step, (x, y) in enumerate(zip(batches, targets)):
+        loss = _loss(ref(x), y)
+        loss.backward()
+        if step == 0:
+            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        ref_losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+
+    mesh = fake_mesh((2, 4))
+    with torch.device("meta"):
+        model = build()
+    with AutoParallel(model, mesh, lambda: torch.randn(batches[0].shape)) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO])
+        constrain(ap)
+        plan = ap.optimize_placement()
+        pmod = ap.apply_placement(plan)
+    differ = []
+    with LocalTensorMode(RANKS):
+        pmod.to_empty(device="cpu")
+        pmod.load_state_dict(state)
+        opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
+        for step, (x, y) in enumerate(zip(batches, targets)):
+            out = DTensor.from_local(pmod(distribute_tensor(x, mesh, IO).to_local()), mesh, IO, run_check=False)
+            loss = _loss(out, distribute_tensor(y, mesh, IO))
+            loss.backward()
+            if not close(_one(loss), ref_losses[step]):
+                differ.append(f"loss {step}")
+            if step == 0:
+                differ += [n for n, p in pmod.named_parameters() if not close(_one(p.grad), ref_grads[n])]
+            opt.step()
+            opt.zero_grad()
+        for name, b in pmod.named_buffers():
+            want = ref.get_buffer(name)
+            got = _one(b)
+            if not (torch.equal(got, want) if not want.is_floating_point() else close(got, want)):
+                differ.append(f"buffer {name}")
+    return plan, ap.lowered.collective_counts(), differ
+
+
+def _batchnorm_means(ap: AutoParallel) -> list:
+    """The per-channel means of the BatchNorm statistics (4-D, forward): the reductions over the batch."""
+    return [
+        n
+        for n in ap.traced.gm.graph.nodes
+        if n.target is aten.mean.dim and n.meta["val"].ndim == 4 and n.meta.get("autoplan_phase") == "forward"
+    ]
+
+
+def test_resnet_with_batchnorm_in_training_mode_matches_one_device():
+    """A ResNet whose BasicBlocks of growing widths sit in one ``nn.Sequential``, BatchNorm in training
+    mode. Pinned to split the batch at every convolution, with each statistic reduced from the local
+    shards (``SyncBatchNorm``'s contract): the step is one device's, running statistics included."""
+
+    def split_batch(ap):
+        for name in ("convolution", "convolution_[0-9]*", "relu*"):
+            ap.add_node_constraint(name, IO)
+        for n in _batchnorm_means(ap):
+            ap.add_node_constraint(n, (Partial("avg"), R))
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 3, 16, 16, generator=g) for _ in range(STEPS)]
+    targets = [torch.randn(16, 10, generator=g) for _ in range(STEPS)]
+    plan, collectives, differ = run_both(lambda: ResNet(classes=10), batches, targets, split_batch)
+    assert not differ, differ
+    assert collectives.get("all_reduce", 0) > 0  # the statistics, summed over the batch shards
+    assert plan.nodes["convolution"].inputs[0] == IO
+
+
+def test_batchnorm_statistics_over_the_split_batch_emerge_from_costs():
+    """At ResNet-18 widths on a batch of 256 64x64 images, nothing pinned: the planner splits the batch
+    over all 8 ranks and reduces every BatchNorm statistic across them, because that costs less than
+    gathering the activations."""
+    mesh = fake_mesh((2, 4))
+    with torch.device("meta"):
+        model = ResNet(widths=(64, 128, 256, 512), classes=8)
+    with AutoParallel(model, mesh, lambda: torch.randn(256, 3, 64, 64)) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO])
+        ap.add_memory_constraint(param_fraction=1 / 8)
+        plan = ap.optimize_placement()
+        means = _batchnorm_means(ap)
+    assert len(means) == 2 * 20  # mean and variance of the stem's and the blocks' 19 BatchNorms
+    for n in means:
+        strategy = plan.nodes[n.name]
+        assert all(isinstance(p, Shard) for p in strategy.inputs[0]), (n.name, strategy)
+        assert all(isinstance(p, Partial) for p in strategy.outputs[0]), (n.name, strategy)
+    assert plan.collective_counts().get("all_reduce", 0) >= len(means)
+
+
+def test_checkpointed_closures_and_a_custom_autograd_function_match_one_device():
+    """``torch.utils.checkpoint`` over closures that read the layer's parameters, a custom
+    ``autograd.Function`` inside: planned, lowered and run as one device runs it."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 32, generator=g) for _ in range(STEPS)]
+    targets = [torch.randn(16, 32, generator=g) for _ in range(STEPS)]
+    plan, _, differ = run_both(CheckpointedMLP, batches, targets)
+    assert not differ, differ
+    # the recomputation is kept, and the plan says so: each layer's first linear runs again in backward
+    assert {f"layers.{i}.0" for i in range(3)} <= set(plan.checkpointed)
+    assert "the model's own checkpointing reruns" in plan.summary()
+    assert Plan.from_json(plan.to_json()).checkpointed == plan.checkpointed
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["exponential", "cumulative"])
+def test_traced_batchnorm_follows_the_module(momentum, monkeypatch):
+    """The batch norm that tracing substitutes (``autoplan.batch_norm``) normalises, updates the running
+    statistics (with a momentum or as the cumulative average, ``momentum=None``) and counts batches as
+    ``nn.BatchNorm2d`` does, in training and in eval mode."""
+    from torch import nn
+
+    from autoplan.batch_norm import batch_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 5, 5)
+    ref, ours = nn.BatchNorm2d(4, momentum=momentum), nn.BatchNorm2d(4, momentum=momentum)
+    with torch.no_grad():
+        outputs = [ref(x) for _ in range(3)] + [ref.eval()(x)]
+    monkeypatch.setattr(torch.nn.functional, "batch_norm", batch_norm)
+    with torch.no_grad():
+        assert all(close(ours(x), want) for want in outputs[:3]) and close(ours.eval()(x), outputs[3])
+    for name in ("running_mean", "running_var"):
+        assert close(ours.get_buffer(name), ref.get_buffer(name))
+    assert ours.num_batches_tracked == ref.num_batches_tracked == 3
