@@ -486,7 +486,8 @@ def run_compare(args: argparse.Namespace) -> dict:
     return {"model": args.model, "mesh": list(shape), "batch": batch, "seq": seq, "cap_gib": args.cap, "plans": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmarks' arguments (also what the README's commands are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m autoplan.bench", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="time model -> Plan on a fake process group")
@@ -529,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     from autoplan.devices import DEVICE_PROFILES
 
     c.add_argument("--device-profile", choices=sorted(DEVICE_PROFILES), default="h100")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")
     runners = {

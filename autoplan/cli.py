@@ -1,13 +1,15 @@
 """``autoplan``: plan a model from the shell, and read saved plans.
 
     autoplan plan --model llama3-8b --mesh 16x8 -o plan.json
-    autoplan plan --model mypackage.models:build --mesh 8 --inputs "S(0)" -o plan.json
+    autoplan plan --model mypackage.models:build --mesh 8 --inputs "S(0)" --cap 40 -o plan.json
     autoplan show plan.json
-    autoplan explain plan.json "layers.*.attention.wq"
+    autoplan explain plan.json "layers.*.attention" [--all]
     autoplan diff a.json b.json
 
-A factory (``module:function``) returns ``(model, input_fn)``; build the model on the meta device
-so that planning needs no memory. Planning runs on a fake process group, so any mesh plans here.
+A factory (``module:function``, found from the current folder too) returns ``(model, input_fn)``;
+build the model on the meta device so that planning needs no memory. Planning runs on a fake
+process group, so any mesh plans here. ``-v`` logs each phase and the solver's progress, ``-vv``
+the solver's own log too.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autoplan.workloads import fake_mesh, parse_mesh
 
     try:  # every argument checked before the (long) planning starts
+        if args.cap is not None and not args.cap > 0:
+            raise ValueError(f"--cap is the estimated peak per device in GiB, a positive number; got {args.cap:g}")
         shape = parse_mesh(args.mesh)
         model, input_fn, io_default = _workload(args, shape)
         inputs, outputs = (
@@ -76,6 +80,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         fraction = args.param_fraction if args.param_fraction is not None else 1 / math.prod(shape)
         if fraction > 0:
             ap.add_memory_constraint(param_fraction=fraction)
+        if args.cap is not None:
+            ap.add_memory_constraint(bytes_per_device=args.cap * 2**30)
         plan = ap.optimize_placement()
     log.info("solved: %s", _seconds(plan.timings))
     print(plan.summary())
@@ -95,7 +101,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    print(Plan.from_json(args.plan).explain(args.target))
+    print(Plan.from_json(args.plan).explain(args.target, all_ops=args.all))
     return 0
 
 
@@ -104,12 +110,19 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autoplan`` command's arguments (also what the README's commands are checked against)."""
     from autoplan.devices import DEVICE_PROFILES
 
     parser = argparse.ArgumentParser(prog="autoplan", description="Plan how to split a PyTorch training step.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", help="log each phase (the 'autoplan' logger)")
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log each phase and the solver's progress (the 'autoplan' logger); -vv: the solver's own log too",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh (any size: a fake process group)")
     p.add_argument("--model", default="llama3-8b", help="llama3-{debug,8b,70b} or module:factory")
@@ -127,6 +140,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="per-device share of parameter bytes (default 1/ranks; 0: no cap)",
     )
+    p.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="cap each device's estimated peak memory of a step at GIB GiB (parameters, gradients, optimizer"
+        " states, activations)",
+    )
     p.add_argument("--device-profile", choices=sorted(DEVICE_PROFILES), default="h100")
     p.add_argument("--attention", default="auto", help="auto, flash, efficient, cudnn or math")
     p.add_argument("-o", "--out", default=None, help="write the plan to this JSON file")
@@ -137,6 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", parents=[common], help="why a node or module took its placements")
     e.add_argument("plan")
     e.add_argument("target", help="a node name, a module path or a pattern such as 'layers.*.attention'")
+    e.add_argument("--all", action="store_true", help="a module's views and aliases too, not only its compute ops")
     e.set_defaults(run=cmd_explain)
     d = sub.add_parser("diff", parents=[common], help="what the second plan does differently, by layer pattern")
     d.add_argument("first")
@@ -149,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     from autoplan.errors import AutoplanError
     from solvers.result import InfeasibleError, SolverTimeoutError
 
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(format="[%(name)s] %(message)s", level=logging.INFO if args.verbose else logging.WARNING)
+    if args.verbose > 1:  # autoplan's debug lines and the solver's log, not every library's debug output
+        log.setLevel(logging.DEBUG)
     if getattr(args, "dtype", None) and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"autoplan: --dtype must name a torch dtype (e.g. bfloat16), got {args.dtype!r}")
     try:

@@ -12,6 +12,7 @@ relaxation is usually integral (``solvers`` tries the LP first).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ POLISH_S = 30.0
 CERTIFY_MIN_ROWS = 10_000
 # HiGHS's threads, fixed so that a plan does not depend on the planning host's core count
 SOLVER_THREADS = 2
+
+# a long MIP's progress at INFO; at DEBUG the solver prints its own log too
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -418,6 +422,8 @@ def solve_placement(
         keep_start=keep_start,
         certify=certifier(problem, layout, model, mip_rel_gap) if certified else None,
         screen=screen,
+        verbose=log.isEnabledFor(logging.DEBUG),
+        log=log,
     )
     t2 = time.perf_counter()
     x = result.x

@@ -235,23 +235,40 @@ class Plan:
             raise KeyError(f"no node or module {target!r} in the plan; modules include: {', '.join(close)}")
         return found
 
-    def explain(self, target: str) -> str:
+    def explain(self, target: str, all_ops: bool = False) -> str:
         """Why ``target`` (a node name or module path) took its placements: each node's chosen
         strategy with its compute and redistribution seconds, then the next-best alternatives and
-        how much slower each would make the step. Repeated layers given as ``layers.*`` show once."""
+        how much slower each would make the step. Repeated layers given as ``layers.*`` show once.
+
+        Of a module, only the ops that compute are shown unless ``all_ops``: its views, aliases and
+        tuple items (ops of no compute time, most of a module's nodes) are left out, and the data
+        moved into them (a parameter's gather, say) is listed after, one line per move."""
         seen: set[tuple] = set()
-        lines = []
+        lines, moved, hidden = [], [], set()
         for node in self.matching(target):
             key = (_pattern(node.module), node.op, node.phase, node.inputs, node.outputs)
             if "*" in target and key in seen:
                 continue
             seen.add(key)
-            lines += _explain_node(node)
+            if all_ops or node.name == target or node.compute_s > 0:
+                lines += _explain_node(node)
+            else:
+                hidden.add(node.name)
+        for r in self.redistributions:
+            if r.consumer in hidden and r.collectives:
+                moved.append(_move_line(r, self.nodes[r.consumer]))
+        if moved:
+            lines += ["moves into the views and aliases left out (parameter gathers among them):", *moved]
+        if hidden:
+            lines.append(
+                f"({len(hidden)} views, aliases and tuple items left out: explain(..., all_ops=True) or --all)"
+            )
         return "\n".join(lines)
 
     def diff(self, other: Plan) -> PlanDiff:
         """What ``other`` does differently: cost, parameter placements and node strategies, grouped
-        by layer pattern."""
+        by layer pattern. Plans of two meshes, models or devices compare too, with a warning saying
+        what differs (``PlanDiff.unlike``): their placements differ for that reason alone."""
         params: dict[tuple, int] = defaultdict(int)
         for fqn, pl in self.param_placements.items():
             theirs = other.param_placements.get(fqn)
@@ -267,6 +284,7 @@ class Plan:
             collectives=(self.collective_counts(), other.collective_counts()),
             params=dict(params),
             nodes=dict(nodes),
+            unlike=tuple(_unlike(self, other)),
         )
 
     def _mesh_label(self) -> str:
@@ -474,6 +492,42 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
+def _unlike(a: Plan, b: Plan) -> list[str]:
+    """What makes ``a`` and ``b`` plans of different meshes, models or devices, first things first."""
+    found = []
+    if tuple(a.mesh_shape) != tuple(b.mesh_shape):
+        found.append(f"mesh {a._mesh_label()} in the first plan, {b._mesh_label()} in the second")
+    if a.signature and b.signature:  # each parameter's, buffer's and input's dtype and shape
+        keys = sorted(k for k in a.signature.keys() | b.signature.keys() if a.signature.get(k) != b.signature.get(k))
+    else:  # a plan saved before signatures: its parameter names
+        keys = sorted(a.param_placements.keys() ^ b.param_placements.keys())
+    if keys:
+        ka = a.signature.get(keys[0], "absent") if a.signature else "-"
+        kb = b.signature.get(keys[0], "absent") if b.signature else "-"
+        found.append(f"another model: {len(keys)} parameters, buffers or inputs differ, e.g. {keys[0]} ({ka} | {kb})")
+    else:  # the same tensors, another program (loss, attention kernel...): the ops node by node
+        ops = [
+            k
+            for k in a.nodes.keys() | b.nodes.keys()
+            if getattr(a.nodes.get(k), "op", None) != getattr(b.nodes.get(k), "op", None)
+        ]
+        if ops:
+            found.append(f"another graph: {len(ops)} nodes are in one plan only or run another op, e.g. {min(ops)}")
+    if a.device != b.device:
+        found.append(f"priced for {a.device} in the first plan, {b.device} in the second")
+    return found
+
+
+def _move_line(r: Redistribution, consumer: NodePlan) -> str:
+    """``  alias_default_71 (aten.alias.default in layers.0.attention.wq [forward]) <- t: S(0)S(0) -> RS(0),
+    all_gather on mesh dim 0, 327.5 us``."""
+    how = ", ".join(f"{kind} on mesh dim {dim}" for kind, dim in r.collectives)
+    return (
+        f"  {r.consumer} ({consumer.op} in {consumer.module} [{consumer.phase}]) <- {r.producer}:"
+        f" {placements_str(r.src)} -> {placements_str(r.dst)}, {how}, {_us(r.seconds)}"
+    )
+
+
 def _explain_node(node: NodePlan) -> list[str]:
     where = f" in {node.module}" if node.module else ""
     lines = [
@@ -511,13 +565,15 @@ class PlanDiff:
     collectives: tuple[dict[str, int], dict[str, int]]
     params: dict[tuple, int]  # (pattern, first, second) -> copies
     nodes: dict[tuple, int]  # (module pattern, op, phase, first, second) -> copies
+    unlike: tuple[str, ...] = ()  # what makes the plans of different meshes, models or devices
 
     @property
     def same(self) -> bool:
         return not self.params and not self.nodes
 
     def __str__(self) -> str:
-        lines = ["cost (ms)            first      second     delta"]
+        lines = [f"warning: {u}: placements differ for that reason alone" for u in self.unlike]
+        lines.append("cost (ms)            first      second     delta")
         for k, (a, b) in self.cost.items():
             lines.append(f"  {k:<18} {a * 1e3:>9.3f}  {b * 1e3:>9.3f}  {(b - a) * 1e3:>+9.3f}")
         first, second = self.collectives

@@ -89,6 +89,7 @@ class Planner:
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
+        self._started = time.perf_counter()  # when the current ``plan`` began: progress lines say since when
         self.peak = PeakRows(self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer)
 
     # ---- rows ---------------------------------------------------------------------------
@@ -184,20 +185,26 @@ class Planner:
         walk = memory.walk(self.tg, chosen, self.mesh_shape, self.optimizer, sched, move, request.outputs)
         return walk.report, sched, walk.live
 
-    def _solve_within_peak(self, request: Request, solve_with, steps: dict[Point, float]) -> _Solved:
+    def _solve_within_peak(self, request: Request, solve_with, steps: dict[Point, float], what: str) -> _Solved:
         """``solve_with(steps)`` with the peak bounded at ``steps``; where the plan's estimated peak
         still exceeds the cap (at other steps, or through bytes the rows miss), bound those steps
         too (``PeakRows.over``: the peak and the other local maxima over the cap), each less what
         its row misses (or, where it is bounded already, less the overshoot), and solve again, at
-        most ``_PEAK_ROUNDS`` times."""
+        most ``_PEAK_ROUNDS`` times. Each round's plan is logged at INFO as ``what``'s progress."""
         steps, build_s, solve_s = dict(steps), 0.0, 0.0
-        for _ in range(_PEAK_ROUNDS):
+        for round_no in range(1, _PEAK_ROUNDS + 1):
             problem, solved, chosen = solve_with(steps)
             build_s, solve_s = build_s + solved.build_time, solve_s + solved.solve_time
             if request.peak_budget is None:
+                self._progress(what, solved)
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
             report, sched, live = self.walk(chosen, _choice(solved.recompute), request)
-            if not _over(report, request):
+            over = _over(report, request)
+            peak = f"estimated peak {_size(report.peak_bytes)} {'over' if over else 'within'} the cap"
+            self._progress(
+                f"{what}, round {round_no} of at most {_PEAK_ROUNDS}", solved, f"{peak} of {_size(request.peak_budget)}"
+            )
+            if not over:
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
             for t, missed in self.peak.over(sched, live, chosen, request.outputs, request.peak_budget):
                 missed = max(steps.get(t, 0.0), missed)
@@ -205,6 +212,18 @@ class Planner:
                     missed = steps[t] + report.peak_bytes - request.peak_budget
                 self.peak.bound(steps, t, missed)
         return _Solved(problem, solved, chosen, False, steps, build_s, solve_s)
+
+    def _progress(self, what: str, solved: UnitChoice, extra: str = "") -> None:
+        """One INFO line of a solve's progress: its plan's step time (the incumbent), the gap to the
+        solver's bound, and the seconds since planning began."""
+        log.info(
+            "%s: incumbent %.3f ms per step, gap %s%s, %.1f s elapsed",
+            what,
+            solved.objective_without_tie_break * 1e3,
+            _percent(solved.result.gap),
+            f", {extra}" if extra else "",
+            time.perf_counter() - self._started,
+        )
 
     def _main_solve(self, request: Request, cost_model: CostModel) -> _Solved:
         """The solve with identical layers tied, bounded at two candidate steps to begin with.
@@ -242,18 +261,20 @@ class Planner:
                     raise _cap_error((group,), f"No plan meets the {group}.", least) from None
                 return solve_with(steps, polish_s=0.0)
 
-        done = self._solve_within_peak(request, round_solve, steps)
+        done = self._solve_within_peak(request, round_solve, steps, "main solve")
         if not (done.solved.seeded and done.within):
             return done
         left = POLISH_S if self.time_limit is None else min(POLISH_S, self.time_limit - (time.perf_counter() - t0))
         if left <= 0:
             return done
+        log.info("polishing the capped plan with the full MIP (at most %.0f s)", left)
         try:
             problem, solved, chosen = solve_with(
                 done.steps, left, start=done.chosen, start_recompute=done.solved.recompute, diagnose=False
             )
         except (InfeasibleError, SolverTimeoutError):
             return done
+        self._progress("polish", solved)
         spent = dataclasses.replace(
             done, build_s=done.build_s + solved.build_time, solve_s=done.solve_s + solved.solve_time
         )
@@ -374,7 +395,7 @@ class Planner:
                 keep_start=True,
             )
 
-        return split, self._solve_within_peak(request, solve_with, steps)
+        return split, self._solve_within_peak(request, solve_with, steps, f"re-solve of {'+'.join(group)}")
 
     def plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
         """Solve for the cheapest plan under ``request``.
@@ -388,7 +409,7 @@ class Planner:
 
     def _plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
         tg = self.tg
-        t0 = time.perf_counter()
+        t0 = self._started = time.perf_counter()
         cost_model = CostModel(self.mesh, self.device_profile)
         try:
             main = self._main_solve(request, cost_model)
@@ -465,7 +486,13 @@ class Planner:
             )
         t3 = time.perf_counter()
         status, gap = solved.result.status.value, solved.result.gap
-        log.info("solved (%s, gap %s): estimated step %.3f ms", status, gap, objective * 1e3)
+        log.info(
+            "solved (%s, gap %s): estimated step %.3f ms, %.1f s elapsed",
+            status,
+            _percent(gap),
+            objective * 1e3,
+            t3 - t0,
+        )
         timings = {
             **trace_timings,
             "costs": t1 - t0 - main.build_s - main.solve_s,
@@ -527,6 +554,11 @@ def _cap_error(groups: tuple[str, ...], why: str, least: int) -> InfeasiblePlanE
         " least that, or relax the other constraints"
     )
     return InfeasiblePlanError(groups, message, least)
+
+
+def _percent(gap: float) -> str:
+    """A relative gap as a percentage (``unknown`` while the solver has no bound)."""
+    return f"{gap:.2%}" if math.isfinite(gap) else "unknown"
 
 
 def _size(n: float) -> str:

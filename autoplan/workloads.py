@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -75,12 +77,22 @@ def llama_batch(cfg, batch: int | None, seq: int | None, dp: int) -> tuple[int, 
 
 
 def load_factory(spec: str) -> tuple[torch.nn.Module, Callable[[], Any]]:
-    """``"package.module:factory"``: call ``factory()``, which returns ``(model, input_fn)``."""
+    """``"package.module:factory"``: call ``factory()``, which returns ``(model, input_fn)``.
+
+    The module is looked for in the current folder first, as ``python -m`` does: the installed
+    ``autoplan`` command starts with the folder of its script on the path, not the user's."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"a model factory is 'module:function', got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         factory = getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"cannot load model factory {spec!r}: {e} (looked in the current folder {cwd} and on the Python path)"
+        ) from e
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load model factory {spec!r}: {e}") from e
     made = factory()

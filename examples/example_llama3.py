@@ -5,6 +5,10 @@ Plan LLaMA-3 8B for 128 GPUs (mesh dp=16 x tp=8) on a fake process group, print 
     python examples/example_llama3.py [--model {debug,8b,70b}] [--mesh 16x8] [--seq-len 8192]
                                       [--batch 32] [--device-profile h100] [--out plan.json]
 
+Without ``--mesh`` the mesh suits the model: 16x8 for 8b and 70b, 2x2 for ``debug`` (its 0.2 MB of
+parameters cannot be split 128 ways within the 1/ranks parameter budget). An error autoplan raises on
+purpose (no plan meets the constraints, a bad mesh...) is printed as one message, exit status 1.
+
 Check a plan for real on this machine: 4 gloo processes plan LLaMA-3 ``debug`` on a 2x2 mesh with
 the same constraints, train 5 steps and print the losses beside a single-device run:
 
@@ -35,10 +39,27 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from autoplan import AutoParallel
 from autoplan.devices import DEVICE_PROFILES
+from autoplan.errors import AutoplanError
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.workloads import fake_mesh, llama_batch, parse_mesh
+from solvers import InfeasibleError, SolverTimeoutError
 
 EXECUTE_MESH, EXECUTE_BATCH, EXECUTE_SEQ, EXECUTE_STEPS = (2, 2), 8, 32, 5
+# the mesh planned on when --mesh is not given: debug is too small to split over 128 ranks
+DEFAULT_MESH = {"debug": "2x2", "8b": "16x8", "70b": "16x8"}
+# errors autoplan raises on purpose: their message names the culprit, a traceback adds nothing
+PLANNING_ERRORS = (AutoplanError, InfeasibleError, SolverTimeoutError)
+
+
+def planning_failed(what: str, error: Exception) -> str:
+    """One message for an error autoplan raised while planning ``what``."""
+    hint = ""
+    if isinstance(error, InfeasibleError) and "parameter bytes" in str(error):
+        hint = (
+            "\n(this example caps each device's parameters at 1/ranks of the model: a small model needs a mesh"
+            " of fewer ranks, e.g. --mesh 2x2)"
+        )
+    return f"example_llama3.py: planning {what} failed: {error}{hint}"
 
 
 def plan_llama(mesh, cfg, batch: int, seq: int, dtype: torch.dtype, profile) -> tuple:
@@ -104,7 +125,13 @@ def _execute_rank(rank: int, port: int, result: str) -> None:
     try:
         cfg = LLAMA3_CONFIGS["debug"]
         mesh = init_device_mesh("cpu", EXECUTE_MESH, mesh_dim_names=("dp", "tp"))
-        ap, plan, io = plan_llama(mesh, cfg, EXECUTE_BATCH, EXECUTE_SEQ, torch.float32, DEVICE_PROFILES["h100"])
+        try:
+            ap, plan, io = plan_llama(mesh, cfg, EXECUTE_BATCH, EXECUTE_SEQ, torch.float32, DEVICE_PROFILES["h100"])
+        except PLANNING_ERRORS as e:  # every rank plans the same: rank 0 reports it, once
+            if rank == 0:
+                with open(result, "w") as f:
+                    json.dump({"error": planning_failed(f"debug on mesh {EXECUTE_MESH}", e)}, f)
+            return
         pmod = ap.apply_placement(plan)
         pmod.to_empty(device="cpu")
         pmod.init_weights()  # buffers (the RoPE table) too, which no state dict carries
@@ -131,6 +158,8 @@ def execute() -> int:
         mp.start_processes(_execute_rank, args=(port, result), nprocs=math.prod(EXECUTE_MESH), start_method="spawn")
         with open(result) as f:
             parallel = json.load(f)
+    if "error" in parallel:
+        raise SystemExit(parallel["error"])
     _, reference = single_device(LLAMA3_CONFIGS["debug"], EXECUTE_BATCH, EXECUTE_SEQ, EXECUTE_STEPS)
     print(f"\nLLaMA-3 debug, mesh {EXECUTE_MESH} on 4 gloo processes vs one device ({EXECUTE_STEPS} AdamW steps):")
     print(f"{'step':>4}  {'parallel':>12}  {'single':>12}  {'rel diff':>9}")
@@ -154,7 +183,13 @@ def run_distributed(args, cfg, shape, profile) -> int:
         raise SystemExit(f"--mesh {args.mesh} holds {math.prod(shape)} ranks; torchrun started {dist.get_world_size()}")
     mesh = init_device_mesh(device, shape, mesh_dim_names=("dp", "tp", "cp", "pp")[: len(shape)])
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    ap, plan, io = plan_llama(mesh, cfg, args.batch, args.seq_len, dtype, profile)
+    try:
+        ap, plan, io = plan_llama(mesh, cfg, args.batch, args.seq_len, dtype, profile)
+    except PLANNING_ERRORS as e:  # every rank plans the same: rank 0 reports it, once
+        if dist.get_rank() == 0:
+            print(planning_failed(f"{args.model} on mesh {args.mesh}", e), file=sys.stderr)
+        dist.destroy_process_group()
+        return 1
     pmod = ap.apply_placement(plan)
     pmod.to_empty(device=device)
     torch.manual_seed(0)
@@ -167,18 +202,24 @@ def run_distributed(args, cfg, shape, profile) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The example's arguments (also what the README's commands are checked against)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(LLAMA3_CONFIGS), default="8b")
-    parser.add_argument("--mesh", default="16x8", help="mesh shape, e.g. 16x8 or 128")
+    parser.add_argument("--mesh", default=None, help="mesh shape, e.g. 16x8 or 128 (default 16x8; 2x2 for debug)")
     parser.add_argument("--seq-len", type=int, default=None, help="default: min(8192, the model's max)")
     parser.add_argument("--batch", type=int, default=32, help="global batch (split over the first mesh dim)")
     parser.add_argument("--device-profile", choices=sorted(DEVICE_PROFILES), default="h100")
     parser.add_argument("--out", default=None, help="plan JSON (default llama3_<model>_<mesh>.json)")
     parser.add_argument("--execute", action="store_true", help="also train a 2x2 plan on 4 gloo processes")
     parser.add_argument("--steps", type=int, default=10, help="training steps under torchrun")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     cfg, profile = LLAMA3_CONFIGS[args.model], DEVICE_PROFILES[args.device_profile]
+    args.mesh = args.mesh or DEFAULT_MESH[args.model]
     try:
         shape = parse_mesh(args.mesh)
     except ValueError as e:
@@ -189,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return run_distributed(args, cfg, shape, profile)
 
-    _, plan, _ = plan_llama(fake_mesh(shape), cfg, args.batch, args.seq_len, torch.bfloat16, profile)
+    try:
+        _, plan, _ = plan_llama(fake_mesh(shape), cfg, args.batch, args.seq_len, torch.bfloat16, profile)
+    except PLANNING_ERRORS as e:
+        raise SystemExit(planning_failed(f"{args.model} on mesh {args.mesh}", e)) from None
     print(plan.summary())
     out = args.out or f"llama3_{args.model}_{args.mesh}.json"
     plan.to_json(out)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
+import os
+import sys
+import threading
 from time import perf_counter
 from typing import Any
 
@@ -24,6 +28,11 @@ _LIMIT_STATUSES = (
 )
 
 _PROBING = 1 << 15  # HiGHS's presolve rule bit for probing
+# seconds between two progress lines of a MIP (``SolverOptions.log``): its first after as long
+PROGRESS_S = 5.0
+
+_first_made = False  # has this process made a ``Highs`` yet (its banner printed or silenced)?
+_first_lock = threading.Lock()
 
 
 def available() -> bool:
@@ -51,8 +60,62 @@ def _highs_lp(highspy: Any, model: LinearModel) -> Any:
     return lp
 
 
+def _quiet_highs(highspy: Any, verbose: bool) -> Any:
+    """A new ``Highs``, its banner silenced unless ``verbose``. HiGHS writes its banner (version and
+    copyright) to the process's standard output when a process makes its first instance, before any
+    option can switch its output off, so on every rank of every run; that first instance is made
+    with file descriptor 1 pointed at the null device (HiGHS flushes each line it writes), and
+    later ones print nothing until told to."""
+    global _first_made
+    with _first_lock:
+        if _first_made or verbose:
+            _first_made = True
+            return highspy.Highs()
+        sys.stdout.flush()
+        try:
+            saved = os.dup(1)
+        except OSError:  # no standard output (a closed descriptor): nothing to silence
+            _first_made = True
+            return highspy.Highs()
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.close(null)
+            h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        _first_made = True
+        return h
+
+
+def _report_progress(h: Any, name: str, log: logging.Logger) -> None:
+    """Log the MIP's incumbent, bound and gap every ``PROGRESS_S`` seconds of its run, at INFO.
+    HiGHS calls its interrupt callback often during the search (tens of times a second), and its
+    own log lines only when its output is on."""
+    next_at = PROGRESS_S
+
+    def report(event: Any) -> None:
+        nonlocal next_at
+        out = event.data_out
+        if out.running_time < next_at:
+            return
+        next_at = out.running_time + PROGRESS_S
+        found = math.isfinite(out.mip_primal_bound)
+        log.info(
+            "MIP %s: incumbent %s, bound %.6g, gap %s, %.1f s elapsed",
+            name,
+            f"{out.mip_primal_bound:.6g}" if found else "none yet",
+            out.mip_dual_bound,
+            f"{out.mip_gap:.2%}" if found and math.isfinite(out.mip_gap) else "unknown",
+            out.running_time,
+        )
+
+    h.cbMipInterrupt.subscribe(report)
+
+
 def _new_highs(highspy: Any, opts: SolverOptions) -> Any:
-    h = highspy.Highs()
+    h = _quiet_highs(highspy, opts.verbose)
     h.setOptionValue("output_flag", opts.verbose)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("presolve", "on" if opts.presolve else "off")
@@ -121,6 +184,8 @@ def solve_highs(model: LinearModel, integral: bool, opts: SolverOptions) -> RawS
             start.col_value = opts.start
             start.value_valid = True
             h.setSolution(start)
+        if opts.log is not None and opts.log.isEnabledFor(logging.INFO):
+            _report_progress(h, model.name, opts.log)
     t1 = perf_counter()
     _run(highspy, h, opts)
     status, x, bound, hit_limit = _read(highspy, h, is_mip)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -79,6 +80,8 @@ class SolverOptions:
     presolve: bool = True
     probing: bool = True  # HiGHS's MIP presolve probes binaries (other backends ignore it)
     start: np.ndarray | None = field(default=None, compare=False)  # a feasible point the MIP search starts from
+    # where a long MIP reports its progress (incumbent, bound, gap, seconds) at INFO; HiGHS only
+    log: logging.Logger | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

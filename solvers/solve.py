@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -275,6 +276,7 @@ def solve(
     keep_start: bool = False,
     certify: Callable[[np.ndarray, float], tuple[float, np.ndarray]] | None = None,
     screen: Screen | None = None,
+    log: logging.Logger | None = None,
 ) -> SolveResult:
     """Minimise ``model``.
 
@@ -301,6 +303,7 @@ def solve(
     (``_screened``); the bound is then on the integer optimum, not the LP's. Without a start the
     limit is a margin over the screen's bound; after a certificate that falls short, it is the
     start's objective, and the multipliers are the certificate's (``Screen.y`` ``None``).
+    ``verbose`` prints the backend's own log; ``log`` gets a long MIP's progress at INFO (HiGHS).
     """
 
     def whole(sub: LinearModel, round_sub, limit: float | None, sub_start=None) -> SolveResult:
@@ -316,6 +319,7 @@ def solve(
             sub_start,
             diagnose=False,
             keep_start=sub_start is not None,
+            log=log,
         )
 
     # every pass gets what is left of the time limit from here, a screened try's time included
@@ -327,7 +331,7 @@ def solve(
             return found
     name = _backend_name(backend)
     run = _BACKENDS[name]
-    opts = SolverOptions(time_limit, mip_rel_gap, threads, verbose)
+    opts = SolverOptions(time_limit, mip_rel_gap, threads, verbose, log=log)
     passes: list[RawSolution] = []
     lp_bound = -math.inf
     best: tuple[np.ndarray, float] | None = None

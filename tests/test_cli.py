@@ -1,9 +1,12 @@
 """The ``autoplan`` command: plan (a named model or a user factory), show, explain and diff."""
 
+import dataclasses
+import logging
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -22,6 +25,13 @@ def mlp_factory():
     with torch.device("meta"):
         model = MLP(32, 64, 32)
     return model, lambda: torch.randn(8, 32)
+
+
+def capped_mlp_factory():
+    """An MLP whose estimated peak a cap at 70% of the free plan's can still meet, in a few rounds."""
+    with torch.device("meta"):
+        model = MLP(32, 128, 32)
+    return model, lambda: torch.randn(64, 32)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +66,122 @@ def test_explain_and_diff(plans, capsys):
     assert moved and "layers.*.attention.wo.weight" in text and f"-> S(1)S(0)  x{len(moved)}" in text
     with pytest.raises(SystemExit, match="no node or module 'layers.*.attn'"):
         main(["explain", str(plans[0]), "layers.*.attn"])
+    assert "warning" not in text  # one model on one mesh
+
+
+def test_explain_a_module_shows_its_compute_and_moves_unless_all(plans, capsys):
+    """Of a module, the ops that compute and the data moved into its views (the parameter gathers);
+    ``--all`` (``all_ops=True``) lists every view and alias too."""
+    assert main(["explain", str(plans[0]), "layers.*.attention"]) == 0
+    short = capsys.readouterr().out
+    assert main(["explain", str(plans[0]), "layers.*.attention", "--all"]) == 0
+    full = capsys.readouterr().out
+    heads = lambda text: re.findall(r"^\w+: (.+) in \S+ \[\w*\] \(rule: ", text, re.M)  # noqa: E731
+    assert {"aten.mm.default", "aten._scaled_dot_product_flash_attention.default"} <= set(heads(short))
+    assert not {"aten.alias.default", "aten.view.default", "aten.t.default"} & set(heads(short))
+    assert {"aten.alias.default", "aten.view.default", "aten.t.default"} <= set(heads(full))
+    left_out = len(heads(full)) - len(heads(short))
+    assert f"({left_out} views, aliases and tuple items left out: explain(..., all_ops=True) or --all)" in short
+    moves = short[short.index("moves into the views and aliases left out") :].splitlines()[1:-1]
+    assert moves and all(re.search(r" <- \w+: \S+ -> \S+, (all_gather|all_reduce|reduce_scatter)", m) for m in moves)
+    assert "left out" not in full
+    plan = Plan.from_json(plans[0])
+    alias = next(n.name for n in plan.nodes.values() if n.op == "aten.alias.default")
+    assert plan.explain(alias).startswith(f"{alias}: aten.alias.default")  # a node asked for by name shows
+
+
+def test_diff_warns_when_the_plans_are_not_of_one_model_and_mesh(plans, tmp_path, capsys):
+    init_fake_world()
+    mlp = tmp_path / "mlp.json"
+    assert main(["plan", "--model", "test_cli:mlp_factory", "--mesh", "4", "--inputs", "S(0)", "-o", str(mlp)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(plans[0]), str(mlp)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        lines[0]
+        == "warning: mesh (dp=2, tp=4) in the first plan, (dp=4) in the second: placements differ for that reason alone"
+    )
+    assert re.fullmatch(r"warning: another model: \d+ parameters, buffers or inputs differ, e\.g\. .*", lines[1])
+    assert lines[2].startswith("cost (ms)")
+    # the same tensors, another program: the ops tell
+    free = Plan.from_json(plans[0])
+    mm = next(k for k, n in free.nodes.items() if n.op == "aten.mm.default")
+    other = dataclasses.replace(
+        free, nodes={**free.nodes, mm: dataclasses.replace(free.nodes[mm], op="aten.bmm.default")}
+    )
+    assert free.diff(other).unlike == (f"another graph: 1 nodes are in one plan only or run another op, e.g. {mm}",)
+    assert free.diff(dataclasses.replace(free, device="a100")).unlike == (
+        f"priced for {free.device} in the first plan, a100 in the second",
+    )
+
+
+def test_cap_bounds_the_estimated_peak_and_the_solve_logs_its_rounds(tmp_path, caplog):
+    init_fake_world()
+    argv = ["plan", "--model", "test_cli:capped_mlp_factory", "--mesh", "4", "--inputs", "S(0)", "--outputs", "S(0)"]
+    argv += ["--param-fraction", "0"]
+    assert main([*argv, "-o", str(tmp_path / "free.json")]) == 0
+    free = Plan.from_json(tmp_path / "free.json")
+    cap = 0.7 * free.memory.peak_bytes
+    caplog.set_level(logging.INFO, logger="autoplan")
+    assert main([*argv, "--cap", repr(cap / 2**30), "-o", str(tmp_path / "capped.json")]) == 0
+    capped = Plan.from_json(tmp_path / "capped.json")
+    assert capped.memory.peak_bytes <= cap < free.memory.peak_bytes
+    rounds = [r.getMessage() for r in caplog.records if ", round " in r.getMessage()]
+    pattern = (
+        r"main solve, round (\d) of at most 5: incumbent \d+\.\d{3} ms per step, gap \d+\.\d\d%, estimated peak"
+        r" [\d.]+ MiB (over|within) the cap of [\d.]+ MiB, \d+\.\d s elapsed"
+    )
+    found = [re.fullmatch(pattern, m) for m in rounds]
+    assert len(found) > 1 and all(found), rounds  # the first plans were over the cap: more rounds
+    assert [int(m.group(1)) for m in found] == list(range(1, len(found) + 1))
+    assert [m.group(2) for m in found] == ["over"] * (len(found) - 1) + ["within"]
+    with pytest.raises(
+        SystemExit, match=r"(?s)autoplan plan: .*estimated peak bytes per device <= 1024.*smallest estimated peak"
+    ):
+        main([*argv, "--cap", repr(1024 / 2**30)])
+    with pytest.raises(SystemExit, match="--cap is the estimated peak per device in GiB, a positive number; got -1"):
+        main([*argv, "--cap", "-1"])
+
+
+def test_the_solver_log_shows_at_vv_only(capfd):
+    """``-v`` logs autoplan's phases; ``-vv`` sets the ``autoplan`` logger to DEBUG, and the solver
+    prints its own log (to the process's standard output, as HiGHS writes it)."""
+    init_fake_world()
+    argv = ["plan", "--model", "test_cli:mlp_factory", "--mesh", "4", "--inputs", "S(0)", "--param-fraction", "0"]
+    assert main([*argv, "-v"]) == 0
+    assert "Solving" not in capfd.readouterr().out
+    try:
+        assert main([*argv, "-vv"]) == 0
+    finally:
+        logging.getLogger("autoplan").setLevel(logging.NOTSET)
+    assert re.search(r"^Solving (LP|MIP) ", capfd.readouterr().out, re.M)
+
+
+def test_a_factory_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
+    """``autoplan plan --model mymodule:factory`` run where ``mymodule.py`` is: the installed command's
+    path holds its own folder, not the user's."""
+    init_fake_world()
+    (tmp_path / "cwd_factory_model.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def build():
+                with torch.device("meta"):
+                    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+                return model, lambda: torch.randn(8, 16)
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        assert main(["plan", "--model", "cwd_factory_model:build", "--mesh", "4", "-o", "plan.json"]) == 0
+    finally:
+        sys.modules.pop("cwd_factory_model", None)
+    assert Plan.from_json(tmp_path / "plan.json").mesh_shape == (4,)
+    with pytest.raises(SystemExit, match=f"No module named 'no_such_model' \\(looked in the current folder {tmp_path}"):
+        main(["plan", "--model", "no_such_model:build", "--mesh", "4"])
 
 
 def test_user_factory_with_placements(tmp_path):

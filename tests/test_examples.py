@@ -1,5 +1,6 @@
-"""The README's main job, ``examples/example_llama3.py``: its default plan, and ``--execute``."""
+"""``examples/example_llama3.py``, the README's main job: the mesh it picks, its errors, and ``--execute``."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -16,12 +17,41 @@ def _run(*args: str, cwd: Path) -> str:
     return done.stdout
 
 
-def test_default_plans_llama3_8b_for_128_gpus(tmp_path):
-    out = _run(cwd=tmp_path)
-    assert "autoplan plan on mesh (dp=16, tp=8)" in out and "layers.*.attention.wq.weight" in out
-    plan = Plan.from_json(tmp_path / "llama3_8b_16x8.json")
-    assert plan.mesh_shape == (16, 8) and len(plan.param_placements) == 2 + 9 * 32 + 1
-    assert plan.memory.param_bytes <= 8.1e9 * 2 / 128  # the 1/128 parameter budget held
+def _example():
+    spec = importlib.util.spec_from_file_location("example_llama3", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_debug_plans_on_a_mesh_it_fits_without_mesh(tmp_path, monkeypatch, capsys):
+    """Without --mesh, ``debug`` plans on 2x2: on 16x8 its parameters cannot meet the 1/128 budget.
+    (The default run, 8B on 16x8, is the README's main job: tests/test_readme.py runs it.)"""
+    monkeypatch.chdir(tmp_path)
+    assert _example().main(["--model", "debug", "--batch", "8", "--seq-len", "32"]) == 0
+    assert "plan written to llama3_debug_2x2.json" in capsys.readouterr().out
+    assert Plan.from_json(tmp_path / "llama3_debug_2x2.json").mesh_shape == (2, 2)
+
+
+def test_a_plan_that_cannot_be_made_is_one_message(tmp_path):
+    """An infeasible budget ends the example with the solver's finding and a way out, exit status 1,
+    no traceback."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--model", "debug", "--mesh", "16x8", "--batch", "16", "--seq-len", "32"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Running HiGHS" not in done.stdout
+    message = done.stderr.strip().splitlines()
+    assert message[0].startswith("example_llama3.py: planning debug on mesh 16x8 failed: ")
+    assert "Conflicting constraints: memory constraint: parameter bytes per device <= 1669" in message[0]
+    assert message[1:] == [
+        "(this example caps each device's parameters at 1/ranks of the model: a small model needs a mesh of fewer"
+        " ranks, e.g. --mesh 2x2)"
+    ]
 
 
 def test_execute_matches_single_device(tmp_path):

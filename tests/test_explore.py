@@ -91,7 +91,7 @@ def test_forcing_an_alternative_costs_at_most_its_delta(free):
 
 
 def test_explain_a_module_pattern(tp):
-    text = tp.explain(W1)
+    text = tp.explain(W1, all_ops=True)
     matmuls = [n for n in tp.matching("layers.0.feed_forward.w1") if n.op == "aten.mm.default"]
     assert len(matmuls) == 3  # forward, input gradient, weight gradient
     first = tp.nodes[matmuls[0].name]
@@ -101,7 +101,12 @@ def test_explain_a_module_pattern(tp):
     nodes = tp.matching(W1)
     alike = {(n.module.split(".", 2)[2], n.op, n.phase, n.inputs, n.outputs) for n in nodes}
     assert text.count(": aten.") == len(alike) < len(nodes)
-    assert tp.explain("layers.1.feed_forward.w1").count(": aten.") == len(tp.matching("layers.1.feed_forward.w1"))
+    layer = tp.matching("layers.1.feed_forward.w1")
+    assert tp.explain("layers.1.feed_forward.w1", all_ops=True).count(": aten.") == len(layer)
+    # by default only the ops that compute (the matmuls among them), not the views and aliases
+    short = tp.explain("layers.1.feed_forward.w1")
+    assert short.count(": aten.") == sum(n.compute_s > 0 for n in layer) < len(layer)
+    assert short.count(": aten.mm.default in ") == 3 and ": aten.t.default in " not in short
 
 
 def test_explain_survives_json_and_names_unknown_targets(tp):

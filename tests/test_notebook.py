@@ -1,11 +1,13 @@
 """``notebooks/explore_placements.ipynb`` is stored without outputs and runs top to bottom."""
 
+import re
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks/explore_placements.ipynb"
+MESHES = ("128", "16x8", "32x4", "8x16")
 
 
 def test_notebook_runs_top_to_bottom(tmp_path):
@@ -19,5 +21,11 @@ def test_notebook_runs_top_to_bottom(tmp_path):
     assert images == 4  # cost breakdown, parameter memory, three plans, mesh sweep (two panels, one figure)
     assert "autoplan plan on mesh (dp=2, tp=4)" in text and "layers.*.attention.wq.weight" in text
     assert "chosen" in text and "parameters placed differently" in text
-    for mesh in ("128", "16x8", "32x4", "8x16"):
-        assert f"{mesh:>6}: " in text
+    # each stacked cost bar is the step's estimate: communication under compute is drawn beside it
+    stacks = re.findall(r"^(.+): stacked bar ([\d.]+) ms, estimated step ([\d.]+) ms$", text, re.M)
+    assert [name for name, _, _ in stacks] == ["autoplan 16x8", "autoplan", "FSDP only", "FSDP + TP"]
+    assert all(bar == step for _, bar, step in stacks), stacks
+    # the sweep's memory panel: the estimated peak per device, which the mesh changes (the parameter
+    # bytes are 1/128 of the model on every mesh)
+    peaks = {m: float(re.search(rf"^ *{m}: .* ms, peak ([\d.]+) GiB, collectives", text, re.M)[1]) for m in MESHES}
+    assert len(set(peaks.values())) > 1, peaks
