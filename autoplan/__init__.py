@@ -5,6 +5,7 @@ from autoplan.devices import DEVICE_PROFILES, H100_SXM, DeviceProfile
 from autoplan.errors import (
     AutoplanError,
     ConstraintError,
+    InputMismatchError,
     PlanMismatchError,
     SolverLimitError,
     TracingError,
@@ -19,6 +20,7 @@ __all__ = [
     "AutoplanError",
     "ConstraintError",
     "DeviceProfile",
+    "InputMismatchError",
     "Plan",
     "PlanMismatchError",
     "SolverLimitError",

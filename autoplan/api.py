@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from autoplan.costs import CostModel
 from autoplan.devices import H100_SXM, DeviceProfile, resolve_profile
 from autoplan.errors import ConstraintError
 from autoplan.heap import collector_paused
+from autoplan.inputs import InputSpec, TensorInput
 from autoplan.lowering import lower
 from autoplan.passes import alias_roundtrip
 from autoplan.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
@@ -125,6 +126,10 @@ class AutoParallel:
 
     Use as a context manager: entering traces the model (on fake tensors) and enumerates
     strategies, constraints are then added, and ``optimize_placement`` solves the ILP.
+    ``input_fn()`` gives the example call of ``forward`` (``autoplan.inputs``): a tensor, a tuple or
+    list of positional arguments, a dict of keyword arguments, or an ``(args_tuple, kwargs_dict)``
+    pair; its tensors are the graph's inputs, and ``None`` and Python numbers in it are constants
+    baked into the plan. The parallel module is called the same way, with the same constants.
     ``attention`` picks the kernel ``F.scaled_dot_product_attention`` traces to: ``"auto"`` (what
     the target GPU runs: flash for fp16/bf16 without a mask, else memory-efficient), ``"flash"``,
     ``"efficient"``, ``"cudnn"``, ``"math"`` or ``"cpu"`` (the host's kernel; CPU meshes only).
@@ -172,7 +177,7 @@ class AutoParallel:
         if not 0.0 <= mip_rel_gap < 1.0:
             raise ConstraintError(f"mip_rel_gap={mip_rel_gap!r} must be a fraction in [0, 1), e.g. 0.01 for 1%")
         self.mip_rel_gap = mip_rel_gap
-        self._inputs: dict[int, Placements] = {}
+        self._inputs: dict[int, tuple[str, Placements]] = {}  # graph input -> (how the user named it, placements)
         self._outputs: dict[int, Placements] = {}
         self._pins: list[Pin] = []
         self._pin_nodes: dict[str, list[fx.Node]] = {}  # pin target -> the nodes it matched
@@ -240,14 +245,39 @@ class AutoParallel:
             raise ConstraintError(f"{what}: {why} (mesh {tuple(self.mesh.shape)})")
         return placements
 
-    def add_input_constraints(self, constraints: Sequence[Sequence | None]) -> None:
-        """Placements of the model inputs, in ``input_fn()`` order (``None`` leaves one free)."""
+    def add_input_constraints(
+        self, constraints: Sequence[Sequence | None] | Mapping[int | str, Sequence | None]
+    ) -> None:
+        """Placements of the model inputs: a list in ``input_fn()`` order (``None`` leaves one free), or a
+        dict keyed by position in that order or by argument name: the parameter of ``forward`` an input
+        binds to, however ``input_fn`` passed it (``{"input_ids": (Shard(0), Replicate())}``), with the
+        path inside a nested argument (``"batch['mask']"``; ``autoplan.inputs``). Constants (``None``,
+        Python numbers) hold a position but take no placement."""
         inputs = self._require_traced().placeholder_for("input")
-        if len(constraints) > len(inputs):
-            raise ConstraintError(f"{len(constraints)} input constraints given, but the model has {len(inputs)} inputs")
-        for i, c in enumerate(constraints):
-            if c is not None:
-                self._inputs[i] = self._check_placements(f"input {i}", inputs[i].meta["val"], c, whole=True)
+        spec = self.traced.inputs or InputSpec.positional([inputs[i].meta["val"] for i in range(len(inputs))])
+        if isinstance(constraints, Mapping):
+            items = list(constraints.items())
+        else:
+            if len(constraints) > len(spec.leaves):
+                raise ConstraintError(
+                    f"{len(constraints)} input constraints given, but the model has {len(spec.leaves)} inputs"
+                )
+            items = list(enumerate(constraints))
+        chosen: dict[int, tuple[str, Placements]] = {}
+        for key, c in items:
+            position = spec.position(key)
+            if c is None:
+                continue
+            label = f"{key!r}" if isinstance(key, str) else str(key)
+            leaf = spec.leaves[position]
+            if not isinstance(leaf, TensorInput):
+                raise ConstraintError(
+                    f"input {label} ({spec.names[position]}) is {leaf!r}, a constant baked into the trace and no"
+                    " graph input: it has no placement"
+                )
+            val = inputs[leaf.index].meta["val"]
+            chosen[leaf.index] = (label, self._check_placements(f"input {label}", val, c, whole=True))
+        self._inputs.update(chosen)
 
     def add_output_constraints(self, constraints: Sequence[Sequence | None]) -> None:
         """Placements of the model outputs (and of their incoming gradients)."""
@@ -370,7 +400,10 @@ class AutoParallel:
         """Every user constraint as (its name, the nodes it fixes, their output placements)."""
         tg = self._require_traced()
         inputs, tangents = tg.placeholder_for("input"), tg.placeholder_for("tangent")
-        fixed = [(f"input constraint {i} = {placements_str(pl)}", [inputs[i]], pl) for i, pl in self._inputs.items()]
+        fixed = [
+            (f"input constraint {label} = {placements_str(pl)}", [inputs[i]], pl)
+            for i, (label, pl) in self._inputs.items()
+        ]
         fixed += [
             (f"output constraint {i} = {placements_str(pl)}", [tangents[i]], pl)
             for i, pl in self._outputs.items()
@@ -441,6 +474,8 @@ class AutoParallel:
             (o.meta["val"].shape, o.meta["val"].stride()) if isinstance(o, fx.Node) else None
             for o in tg.outputs_of("output").values()
         ]
+        vals = tg.placeholder_for("input")
+        inputs = tg.inputs or InputSpec.positional([vals[i].meta["val"] for i in range(len(vals))])
         pmod = build_parallel_module(
             self.model,
             self.mesh,
@@ -449,6 +484,7 @@ class AutoParallel:
             buffers,
             outputs,
             executor,
+            inputs,
             return_dtensor,
             [fqn for _, fqn in sorted(tg.written_buffers.items())],
         )

@@ -49,6 +49,15 @@ class PlanMismatchError(AutoplanError, ValueError):
         self.differences = differences
 
 
+class InputMismatchError(AutoplanError, ValueError):
+    """A parallel module called with inputs other than the plan was traced with (another constant, a
+    tensor where ``None`` was, another dtype or shard shape); ``problems`` names each argument."""
+
+    def __init__(self, problems: list[str], message: str):
+        super().__init__(message)
+        self.problems = problems
+
+
 class SolverLimitError(AutoplanError, SolverTimeoutError):
     """The solver's time limit passed before it found any plan; ``elapsed`` seconds were spent."""
 

@@ -21,7 +21,9 @@ from torch.distributed.tensor.experimental import implicit_replication
 from autoplan.adapters.dtensor import local_shape
 from autoplan.adapters.fx import boxed
 from autoplan.adapters.local_tensor import mesh_coordinate, per_rank, same_state, world_key, write_state
-from autoplan.errors import ConstraintError
+from autoplan.devices import dtype_name
+from autoplan.errors import ConstraintError, InputMismatchError
+from autoplan.inputs import InputSpec
 from autoplan.lowering import LoweredGraph
 from autoplan.plan import placements_str
 from autoplan.strategies import Placements
@@ -98,11 +100,11 @@ class ParallelMixin:
         self._autoplan.unfilled = {fqn: _written(self.get_buffer(fqn)) for fqn in _non_persistent(self)}
         return self
 
-    def forward(self, *inputs):
+    def forward(self, *args, **kwargs):
         state = self._autoplan
         if state.unfilled:
             _check_filled(self, state)
-        flat, _ = torch.utils._pytree.tree_flatten(inputs)
+        flat = state.bind(args, kwargs)
         _check_inputs(flat, state)
         params = [p.to_local() for p in state.params(self)]
         buffers = [b.to_local() if isinstance(b, DTensor) else b for b in state.buffers(self)]
@@ -177,6 +179,7 @@ class _State:
     param_fqns: list[str]
     buffer_fqns: list[str]
     input_locals: list[tuple[tuple[int, ...], tuple[int, ...], Placements]]  # (local, global, placements)
+    inputs: InputSpec  # the traced call: how a call's arguments become the graph's inputs
     output_placements: list[Placements | None]
     output_shapes: list[tuple[torch.Size, tuple[int, ...]] | None]
     return_dtensor: bool
@@ -190,6 +193,11 @@ class _State:
         """Graph inputs without gradients, each with its own storage per simulated rank (a compiled
         graph cannot mix simulated-rank tensors with plain ones); unchanged on a real rank."""
         return [per_rank(v) if isinstance(v, torch.Tensor) else v for v in values]
+
+    @torch.compiler.disable
+    def bind(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The graph's inputs from a call of the module, checked against the traced call (``InputSpec.bind``)."""
+        return self.inputs.bind(args, kwargs)
 
     @torch.compiler.disable
     def coordinate(self) -> torch.Tensor:
@@ -212,14 +220,22 @@ class _State:
         return DTensor.from_local(out, self.mesh, pl, run_check=False, shape=shape, stride=stride)
 
 
-def _check_inputs(flat: list, state: _State) -> None:
-    if len(flat) != len(state.input_locals):
-        raise ValueError(f"expected {len(state.input_locals)} inputs, got {len(flat)}")
-    for i, (x, (local, glob, pl)) in enumerate(zip(flat, state.input_locals)):
-        if isinstance(x, torch.Tensor) and tuple(x.shape) != local:
-            raise ValueError(
-                f"input {i} has shape {tuple(x.shape)}, but each rank must pass its local shard of shape {local} "
-                f"(global shape {glob} placed as {placements_str(pl)} on mesh {tuple(state.mesh.shape)})"
+def _check_inputs(flat: list[torch.Tensor], state: _State) -> None:
+    """Each graph input is this rank's shard of the traced one: its local shape and its dtype."""
+    for i, (x, (name, traced), (local, glob, pl)) in enumerate(zip(flat, state.inputs.tensors, state.input_locals)):
+        if x.dtype != traced.dtype:
+            raise InputMismatchError(
+                [f"argument {name!r} is {dtype_name(x.dtype)}, traced as {dtype_name(traced.dtype)}"],
+                f"input {i} (argument {name!r}) has dtype {dtype_name(x.dtype)}, but the plan was traced with"
+                f" {dtype_name(traced.dtype)}: pass it as {traced.dtype} (e.g. x.to({traced.dtype})), or plan again"
+                " with an input_fn giving this dtype",
+            )
+        if tuple(x.shape) != local:
+            raise InputMismatchError(
+                [f"argument {name!r} has shape {tuple(x.shape)}, its shard is {local}"],
+                f"input {i} has shape {tuple(x.shape)}, but each rank must pass its local shard of shape {local}"
+                f" (argument {name!r}: global shape {glob} placed as {placements_str(pl)} on mesh"
+                f" {tuple(state.mesh.shape)})",
             )
 
 
@@ -252,6 +268,7 @@ def build_parallel_module(
     buffer_placements: dict[str, Placements],
     output_shapes: list,
     executor: Executor,
+    inputs: InputSpec,
     return_dtensor: bool = False,
     written_buffers: list[str] = (),
 ) -> nn.Module:
@@ -283,6 +300,7 @@ def build_parallel_module(
             param_fqns=[t for k, t in lowered.input_labels if k == "param"],
             buffer_fqns=[t for k, t in lowered.input_labels if k == "buffer"],
             input_locals=input_locals,
+            inputs=inputs,
             output_placements=lowered.output_placements[: lowered.n_outputs],
             output_shapes=output_shapes,
             return_dtensor=return_dtensor,

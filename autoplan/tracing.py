@@ -31,7 +31,7 @@ from autoplan import stamping
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 from autoplan.adapters.fx import lazy_graph_modules
 from autoplan.batch_norm import batch_norm
-from autoplan.errors import ConstraintError
+from autoplan.inputs import InputSpec, split_call
 from autoplan.progress import ticker
 from autoplan.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
 from autoplan.trace_errors import named_failures
@@ -57,6 +57,7 @@ class TracedGraph:
     # outputs that are the new values of buffers the forward writes (output index -> buffer FQN): they
     # follow the model's own outputs, stay replicated like their buffers and are copied back after a step
     written_buffers: dict[int, str] = field(default_factory=dict)
+    inputs: InputSpec | None = None  # the traced call: its tensors are the "input" placeholders, in order
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -113,13 +114,17 @@ class OutputSink:
 class _LossWrapper(nn.Module):
     """Runs the model, then the user's loss; the model is a child so parameter FQNs keep a fixed prefix."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None):
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, inputs: InputSpec | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.inputs = inputs  # the traced call: where the tensors go, and the constants between them
 
-    def forward(self, *args):
-        out = self.model(*args)
+    def forward(self, *tensors):
+        # the graph's inputs are the call's tensors alone: its constants (None, Python numbers) go back
+        # in between them here, so the trace bakes them in
+        args, kwargs = (tensors, {}) if self.inputs is None else self.inputs.call(tensors)
+        out = self.model(*args, **kwargs)
         if self.loss_fn is not None:
             out = self.loss_fn(out)
         # the outputs' tensors: output dataclasses (Hugging Face's ModelOutput) flatten, and what is no
@@ -292,22 +297,20 @@ def _strip(label: tuple[str, Any]) -> tuple[str, Any]:
     return (kind, target)
 
 
-def make_fake_inputs(input_fn: Callable[[], Any], fake_mode: FakeTensorMode, device: torch.device) -> tuple:
-    """Call ``input_fn`` under fake mode (no real memory); real tensors it returns are faked too."""
+def make_fake_inputs(
+    input_fn: Callable[[], Any], fake_mode: FakeTensorMode, device: torch.device, forward: Callable | None = None
+) -> tuple[InputSpec, tuple]:
+    """Call ``input_fn`` under fake mode (no real memory; real tensors it returns are faked too) and
+    read its value as the call of ``forward`` (``autoplan.inputs``): the call's spec, and its tensors,
+    the graph's inputs in order."""
     with fake_mode, torch.device(device):
-        args = input_fn()
-    if not isinstance(args, tuple):
-        args = (args,)
-    leaves, _ = tree_flatten(args)
-    for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None))):
-            raise ConstraintError(
-                f"input_fn returned a {type(leaf).__name__} (leaf {i} of its output): it must return the model's"
-                " inputs as tensors, or a tuple, list or dict of them (plain numbers and None pass as they are)"
-            )
-    return tree_map_only(
-        torch.Tensor, lambda t: t if fake_mode.is_our_fake(t) else fake_mode.from_tensor(t.to(device)), args
+        value = input_fn()
+    args, kwargs = split_call(value)
+    args, kwargs = tree_map_only(
+        torch.Tensor, lambda t: t if fake_mode.is_our_fake(t) else fake_mode.from_tensor(t.to(device)), (args, kwargs)
     )
+    spec = InputSpec.of_call(forward, args, kwargs)
+    return spec, tuple(spec.bind(args, kwargs))
 
 
 def _differentiable(t) -> bool:
@@ -590,7 +593,9 @@ def trace_joint(
     attention: str = "auto",
     repeats: bool = True,
 ) -> TracedGraph:
-    """Trace ``loss_fn(model(*input_fn()))`` (or the model's outputs) forward and backward on fake tensors.
+    """Trace ``loss_fn(model(...))`` (or the model's outputs) forward and backward on fake tensors,
+    the model called as ``input_fn``'s value says (``autoplan.inputs``: a tensor, positional arguments,
+    keyword arguments or both; its tensors are the graph's inputs, its other values constants).
 
     The fast path traces autograd directly; models that mutate tensors in place are re-traced
     through functorch's functionalizing joint export instead. ``attention`` picks the kernel
@@ -604,8 +609,8 @@ def trace_joint(
     if attention == "cpu" and device.type != "cpu":
         raise ValueError(f"attention='cpu' traces the host's CPU kernel and needs a CPU mesh, not {device.type!r}")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn)
-    args = make_fake_inputs(input_fn, fake_mode, device)
+    inputs, args = make_fake_inputs(input_fn, fake_mode, device, model.forward)
+    wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn, inputs)
     joint, shared, written = None, _shared_names(wrapper), {}
     stack = stamping.find_stack(wrapper, _PREFIX) if repeats else None
     with contextlib.ExitStack() as es:
@@ -637,4 +642,5 @@ def trace_joint(
         tied={_strip(("", a))[1]: _strip(("", b))[1] for a, b in shared.items()},
         stamped=stamped,
         written_buffers={i: _strip(("", fqn))[1] for i, fqn in written.items()},
+        inputs=inputs,
     )
