@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 from conftest import fake_mesh
+from gloo import run_gloo
 from models import MLP, ViT
-from parallel_run import IO, check_run, graph_report, parallel_run, reference_run
+from parallel_run import IO, check_run, graph_report, parallel_run, plan_and_apply, reference_run
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -239,3 +240,28 @@ def test_a_parameter_split_that_shrinks_nothing_is_refused():
         with pytest.raises(ConstraintError, match=r"dim 0 of shape \(1, 1, 32\) \(size 1\) split over mesh dims 0"):
             ap.add_node_constraint("cls", (S0, R))
         ap.add_node_constraint("head.bias", (R, S0))
+
+
+def _gloo_worker(rank: int, configs: list) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    results = []
+    for pins, compiled in configs:
+        ref = reference_run("uneven_mlp")
+        plan, lowered, pmod = plan_and_apply(mesh, "uneven_mlp", pins)
+        run = parallel_run(mesh, pmod, ref, compiled)
+        results.append(run | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+    return results
+
+
+@pytest.mark.slow
+def test_uneven_mlp_on_gloo():
+    """The uneven MLP on a 2x2 gloo mesh (4 processes, each with its own rows of every uneven
+    parameter, 30 hidden units over 4 ranks being 8, 7, 8, 7), eager and Inductor-compiled."""
+    configs = [(FSDP_ALL, False), (MIXED, False), (FSDP_ALL, True)]
+    results = run_gloo(_gloo_worker, 4, configs)
+    for rank_results in results:
+        assert len(rank_results) == len(configs)
+        for r in rank_results:
+            check_run(r)
