@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from autoplan.strategies import (
     output_vals,
 )
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
+from autoplan.uneven import fsdp_bytes
 
 log = logging.getLogger(__name__)  # under "autoplan": the command's --verbose shows it
 
@@ -208,7 +210,10 @@ class AutoParallel:
             t1 = time.perf_counter()
             self.clustering = self._cluster()
             self.strategies = enumerate_strategies(
-                self.traced.gm.graph, self.clustering.rep, StrategyBuilder(self.mesh, strict=self.strict)
+                self.traced.gm.graph,
+                self.clustering.rep,
+                StrategyBuilder(self.mesh, strict=self.strict),
+                uneven=set(self.traced.placeholder_for("param").values()),
             )
             t2 = time.perf_counter()
         self.timings = {"trace": ta - t0, "aliases": t1 - ta, "strategies": t2 - t1}
@@ -235,12 +240,13 @@ class AutoParallel:
 
     # ---- constraints ----------------------------------------------------------------------
 
-    def _check_placements(self, what: str, val, placements, whole: bool = False) -> Placements:
-        """``placements`` as a tuple, or ``ConstraintError`` saying why they cannot place ``val``."""
+    def _check_placements(self, what: str, val, placements, whole: bool = False, uneven: bool = False) -> Placements:
+        """``placements`` as a tuple, or ``ConstraintError`` saying why they cannot place ``val``
+        (``uneven``: a parameter, which may be split unevenly)."""
         placements = tuple(placements)
         if not isinstance(val, torch.Tensor):
             raise ConstraintError(f"{what}: it is not a tensor ({type(val).__name__}), so it has no placement")
-        why = placement_error(placements, val, tuple(self.mesh.shape), whole)
+        why = placement_error(placements, val, tuple(self.mesh.shape), whole, uneven)
         if why is not None:
             raise ConstraintError(f"{what}: {why} (mesh {tuple(self.mesh.shape)})")
         return placements
@@ -304,7 +310,7 @@ class AutoParallel:
         params = set(self.traced.placeholder_for("param").values())
         for n in nodes:
             what = f"node constraint {name!r} ({n.name})"
-            self._check_placements(what, output_vals(n)[0], placements, whole=n in params)
+            self._check_placements(what, output_vals(n)[0], placements, whole=n in params, uneven=n in params)
         placements = tuple(placements)
         for pin in self._pins:
             clash = [n.name for n in self._pin_nodes[pin.target] if n in nodes and pin.placements != placements]
@@ -361,7 +367,12 @@ class AutoParallel:
         """Cap per-device memory: ``bytes_per_device`` bounds the estimated peak of a training step
         (parameters, gradients, optimizer states, saved activations and temporaries, see
         ``autoplan.memory``); ``param_fraction`` (of the whole model's) or ``param_bytes`` bound the
-        parameter bytes alone. Each call replaces the caps it names."""
+        parameter bytes alone. Each call replaces the caps it names.
+
+        ``param_fraction=1/N`` means what FSDP stores on N ranks: every parameter split N ways on
+        some dim, ceil(n/N) rows per rank where the dim does not divide (the largest shard of an
+        uneven split, ``autoplan.uneven``), so a mesh of N ranks always meets it. Other fractions
+        ``f`` allow the larger of ``f`` of the model's bytes and that sum for N = ceil(1/f)."""
         if param_fraction is None and bytes_per_device is None and param_bytes is None:
             raise ConstraintError("give bytes_per_device (the step's peak), or param_fraction or param_bytes")
         if param_fraction is not None and param_bytes is not None:
@@ -372,8 +383,11 @@ class AutoParallel:
         if param_fraction is not None:
             if not 0 < param_fraction <= 1:
                 raise ConstraintError(f"param_fraction must be in (0, 1], got {param_fraction}")
-            total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            param_bytes = param_fraction * total
+            params = list(self.model.parameters())
+            total = sum(p.numel() * p.element_size() for p in params)
+            ways = math.ceil(1 / param_fraction - 1e-9)
+            split = sum(fsdp_bytes(tuple(p.shape), p.element_size(), ways) for p in params)
+            param_bytes = max(param_fraction * total, split)
         if param_bytes is not None:
             self._param_budget = float(param_bytes)
         if bytes_per_device is not None:

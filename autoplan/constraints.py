@@ -11,6 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.devices import dtype_name
+from autoplan.uneven import shrinks
 
 Placements = tuple[Placement, ...]
 
@@ -26,11 +27,14 @@ class Pin:
     placements: Placements
 
 
-def placement_error(placements: Sequence, val: torch.Tensor, mesh_shape: Sequence[int], whole: bool) -> str | None:
+def placement_error(
+    placements: Sequence, val: torch.Tensor, mesh_shape: Sequence[int], whole: bool, uneven: bool = False
+) -> str | None:
     """Why ``placements`` cannot place ``val`` on a mesh of ``mesh_shape``, or ``None`` if they can.
 
     ``whole``: ``val`` is a model input or a parameter, a value every rank group holds in full, never
-    a pending sum (``Partial``)."""
+    a pending sum (``Partial``). ``uneven``: ``val`` is a parameter, which may be split unevenly
+    (``autoplan.uneven``) as long as every mesh dim splitting a dim shrinks its largest piece."""
     if len(placements) != len(mesh_shape):
         return f"{len(placements)} placements given for a {len(mesh_shape)}-D mesh"
     factor: dict[int, list[int]] = {}
@@ -55,7 +59,13 @@ def placement_error(placements: Sequence, val: torch.Tensor, mesh_shape: Sequenc
                 )
     for d, dims in factor.items():
         ways = math.prod(mesh_shape[i] for i in dims)
-        if val.shape[d] % ways:
+        if val.shape[d] % ways and uneven:
+            if not shrinks(val.shape[d], [mesh_shape[i] for i in dims]):
+                return (
+                    f"dim {d} {_desc(val)} (size {val.shape[d]}) split over mesh dims {', '.join(map(str, dims))}:"
+                    " some of them leave the largest shard as big as before; Replicate() on them stores the same"
+                )
+        elif val.shape[d] % ways:
             return (
                 f"dim {d} {_desc(val)} (size {val.shape[d]}) cannot be split {ways} ways evenly (mesh dims"
                 f" {', '.join(map(str, dims))}); pick a size divisible by {ways}, or another placement"

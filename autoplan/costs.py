@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_transitions, shape_free, shard_dim
 from autoplan.devices import H100_SXM, DeviceProfile
 from autoplan.network import MeshTopology, collective_seconds
+from autoplan.uneven import gather_runs, largest, uneven_dims
 
 # a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
 Price = Callable[[Placements, Placements, Any], float]
@@ -207,7 +208,8 @@ def peak_buffer_bytes(transfers: Sequence[Transfer]) -> int:
     return peak
 
 
-_NOT_PARTIAL = frozenset({Shard, Replicate})  # a failing isinstance on a placement runs in Python
+_NOT_PARTIAL = frozenset({Shard, Replicate})
+_PLAIN_TYPES = frozenset({Shard, Replicate, Partial})  # a failing isinstance on a placement runs in Python
 
 
 def mixed_partials(placements: Placements) -> bool:
@@ -275,6 +277,15 @@ class _Step:
     dst_dim: int | None  # and after it
 
 
+@dataclass(frozen=True)
+class _UnevenMove:
+    """A move from or to an unevenly split placement (``autoplan.uneven``), whose primitives
+    ``CostModel._uneven_plan`` works out on the padded shards the lowering moves."""
+
+    src: Placements
+    dst: Placements
+
+
 _UNKNOWN = object()
 
 
@@ -310,6 +321,7 @@ class CostModel:
         self._template_ids: dict[tuple[_Step, ...] | None, int] = {}  # a number per distinct steps
         self._derived: dict[tuple, tuple[object, Any]] = {}
         self._kinds: dict[tuple, tuple | None] = {}  # per (source, target) placement: ``step_kinds`` and both dims
+        self._uneven: dict[tuple, bool] = {}  # per (``_dims`` entry's number, shape): split unevenly
 
     def _id(self, placements: Placements) -> int:
         """A number per distinct placement tuple: cache keys made of them hash in C, where a
@@ -369,12 +381,28 @@ class CostModel:
         run the move), and a number per distinct steps. Kept per placement pair where its steps
         ignore the shape (a 3-D mesh prices ~126 K (pair, shape) moves but only ~27 K pairs)."""
         pair = (key[0], key[1])
+        uneven = self._is_uneven(key[0], key[2]) or self._is_uneven(key[1], key[2])
+        if uneven and all(type(p) in _PLAIN_TYPES for p in (*src, *dst)):  # else DTensor's own steps
+            steps = _UnevenMove(tuple(src), tuple(dst))  # its steps depend on the shape
+            return self._template_ids.setdefault(steps, len(self._template_ids)), steps
         found = self._templates.get(pair)
         if found is None:
             steps = self._make_steps(src, dst, meta)
             found = (self._template_ids.setdefault(steps, len(self._template_ids)), steps)
             if shape_free(src, dst):
                 self._templates[pair] = found
+        return found
+
+    def _is_uneven(self, number: int, shape: tuple[int, ...]) -> bool:
+        """Whether the placements numbered ``number`` split ``shape`` unevenly (kept per split and shape)."""
+        key = (self._split_of[number], shape)
+        found = self._uneven.get(key)
+        if found is None:
+            ways: dict[int, int] = {}
+            for n, d in zip(self.topology.shape, self._dims[number]):
+                if d is not None:
+                    ways[d] = ways.get(d, 1) * n
+            found = self._uneven[key] = any(shape[d] % w for d, w in ways.items())
         return found
 
     def _make_steps(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[_Step, ...] | None:
@@ -393,10 +421,14 @@ class CostModel:
             steps.append(_Step(mesh_dim, *found))
         return tuple(steps)
 
-    def _build_plan(self, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int) -> tuple[Transfer, ...] | None:
+    def _build_plan(
+        self, steps: tuple[_Step, ...] | _UnevenMove | None, meta: TensorMeta, src: int
+    ) -> tuple[Transfer, ...] | None:
         """Map DTensor's own steps (from the placements numbered ``src``) to primitives, with the
         re-layout copies collectives make (on non-leading dims, of non-contiguous inputs); size-1
         mesh dims are skipped, as DTensor does."""
+        if isinstance(steps, _UnevenMove):
+            return self._uneven_plan(steps.src, steps.dst, meta)
         if not steps:
             return steps
         transfers: list[Transfer] = []
@@ -424,6 +456,67 @@ class CostModel:
                 else:
                     transfers.append(primitive)
                 size, contiguous = made, True
+        return tuple(transfers)
+
+    def _uneven_plan(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[Transfer, ...] | None:
+        """The primitives of a move from or to an uneven split, as ``adapters.dtensor`` lowers it on
+        padded shards (every rank's piece padded to the largest, ``autoplan.uneven``).
+
+        From one: each unevenly split dim is all-gathered over its mesh dims, innermost first (the
+        padded pieces then lie in rank order), its padding dropped (a view when it is all at the
+        end, else a copy), and the rest of the move is DTensor's from there. To one (a gradient into
+        its parameter's placement): DTensor's move to the target with those mesh dims left partial
+        or replicated, then each dim padded (a copy) and reduce-scattered or chunked over its mesh
+        dims, outermost first. Between two uneven splits: ``None`` (nothing needs it)."""
+        src, dst = tuple(src), tuple(dst)
+        if src == dst:
+            return ()
+        mesh, shape, itemsize = self.topology.shape, tuple(meta.shape), meta.dtype.itemsize
+        src_uneven, dst_uneven = uneven_dims(shape, src, mesh), uneven_dims(shape, dst, mesh)
+        if (src_uneven and dst_uneven) or mixed_partials(src) or mixed_partials(dst):
+            return None
+        nbytes = lambda s: math.prod(s) * itemsize  # noqa: E731
+        transfers: list[Transfer] = []
+        if src_uneven:
+            mid = tuple(Replicate() if any(i in m for m in src_uneven.values()) else p for i, p in enumerate(src))
+            current = list(self._local_shape(shape, [shard_dim(p) for p in src]))
+            for d, mesh_dims in sorted(src_uneven.items()):
+                for i in reversed(mesh_dims):
+                    before = tuple(current)
+                    current[d] *= mesh[i]
+                    after = tuple(current)
+                    transfers.append(Transfer("all_gather", i, nbytes(before) * mesh[i], nbytes(after)))
+                    copies = relayout_copies("all_gather", d, None, before, after)
+                    transfers += [_relayout(i, c, itemsize) for c in copies]
+                current[d] = shape[d]
+                runs = gather_runs(shape[d], [mesh[i] for i in mesh_dims])
+                if len(runs) > 1 or runs[0][0]:  # else the padding is a tail the view leaves out
+                    transfers.append(_relayout(mesh_dims[0], current, itemsize))
+            rest = self._plan(mid, dst, meta)
+            return None if rest is None else (*transfers, *rest)
+        on = {i: d for d, mesh_dims in dst_uneven.items() for i in mesh_dims}
+        mid = tuple(
+            dst[i] if i not in on else src[i] if isinstance(src[i], (Partial, Replicate)) else Replicate()
+            for i in range(len(dst))
+        )
+        first = self._plan(src, mid, meta)
+        if first is None:
+            return None
+        transfers += first
+        current = list(self._local_shape(shape, [shard_dim(p) for p in mid]))
+        for d, mesh_dims in sorted(dst_uneven.items()):
+            current[d] = largest(shape[d], [mesh[i] for i in mesh_dims]) * math.prod(mesh[i] for i in mesh_dims)
+            transfers.append(_relayout(mesh_dims[0], current, itemsize))
+            for i in mesh_dims:
+                before = tuple(current)
+                current[d] //= mesh[i]
+                after = tuple(current)
+                if isinstance(mid[i], Partial):
+                    copies = relayout_copies("reduce_scatter", None, d, before, after)
+                    transfers += [_relayout(i, c, itemsize) for c in copies]
+                    transfers.append(Transfer("reduce_scatter", i, nbytes(before), nbytes(after)))
+                else:
+                    transfers.append(Transfer("local", i, nbytes(after), nbytes(after)))
         return tuple(transfers)
 
     def _local_shape(self, shape: tuple[int, ...], dims: list[int | None]) -> tuple[int, ...]:

@@ -34,11 +34,20 @@ class TracingError(AutoplanError, RuntimeError):
 
 class InfeasiblePlanError(AutoplanError, InfeasibleError):
     """No plan meets the constraints. ``groups`` names a minimal conflicting set of them; under a
-    peak cap, ``smallest_peak_bytes`` is the least estimated peak a plan reaches otherwise."""
+    peak cap, ``smallest_peak_bytes`` is the least estimated peak a plan reaches otherwise; under
+    a parameter budget no plan meets, ``smallest_param_bytes`` is the least budget one does."""
 
-    def __init__(self, groups: list[str], message: str, smallest_peak_bytes: float | None = None):
+    def __init__(
+        self,
+        groups: list[str],
+        message: str,
+        smallest_peak_bytes: float | None = None,
+        *,
+        smallest_param_bytes: int | None = None,
+    ):
         super().__init__(groups, message)
         self.smallest_peak_bytes = smallest_peak_bytes
+        self.smallest_param_bytes = smallest_param_bytes
 
 
 class PlanMismatchError(AutoplanError, ValueError):

@@ -70,9 +70,10 @@ def _fsdp_tp(ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
 
 def fit_to_shapes(pins: list, params: dict[str, torch.Tensor], mesh_shape: tuple[int, ...]) -> list:
     """``pins`` with each parameter glob split by layer pattern where the mesh cannot split some of
-    its parameters' dim 0 evenly; those split dim 1 on the outer mesh dims instead. FSDP pads an
-    uneven dim 0, autoplan splits evenly only, and dim 1 moves the same bytes (LLaMA-3's
-    128256-row embedding over 1024 ranks)."""
+    its parameters' dim 0 evenly; those split dim 1 on the outer mesh dims instead, which moves the
+    same bytes without padding (LLaMA-3's 128256-row embedding over 1024 ranks). Where no dim splits
+    evenly the pin stays as it is: the parameter is then split unevenly (``autoplan.uneven``), as
+    FSDP pads it."""
     out = []
     for target, placements in pins:
         matched = [fqn for fqn in params if fnmatch.fnmatchcase(fqn, target)]

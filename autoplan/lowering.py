@@ -26,9 +26,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoplan import attention
-from autoplan.adapters.dtensor import local_shape, redistribute
+from autoplan.adapters.dtensor import redistribute
 from autoplan.collectives import collective_kind, is_c10d
-from autoplan.costs import local_shape as even_local_shape
+from autoplan.costs import local_shape as padded_shape
 from autoplan.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.passes.gather_fusion import FusionStats, fuse_gather_chains
@@ -168,7 +168,7 @@ def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: De
     result = []
     for i, role in enumerate(spec.output_roles):
         val = vals[i]
-        shape = even_local_shape(val.shape, outputs[i], mesh.shape) if isinstance(val, torch.Tensor) else None
+        shape = padded_shape(val.shape, outputs[i], mesh.shape) if isinstance(val, torch.Tensor) else None
         if role == "lse":
             result.append(_kernel_lse(lse, shape))
         elif role in made:
@@ -279,7 +279,9 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
 
 
 def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
-    shape = local_shape(val.shape, mesh, placements)
+    """A rank's local value: its shard, padded to the largest where the split is uneven
+    (``autoplan.uneven``), so that every rank runs a graph of the same shapes."""
+    shape = padded_shape(val.shape, placements, mesh.shape)
     with fake_mode:
         return torch.empty(shape, dtype=val.dtype, device=mesh.device_type)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -21,7 +22,7 @@ from autoplan.adapters.dtensor import tensor_meta
 from autoplan.clustering import Clustering
 from autoplan.costs import CostModel, local_bytes
 from autoplan.devices import DeviceProfile
-from autoplan.ilp import BudgetRow, RecomputeVar
+from autoplan.ilp import BudgetRow, FixedRows, RecomputeVar
 from autoplan.problem import Linear, PlacementProblem, gradient_moves, input_moves, output_moves
 from autoplan.strategies import Placements, Strategy
 from autoplan.tracing import TracedGraph
@@ -39,6 +40,10 @@ def option_name(layer: str, option: str) -> str:
 
 def peak_group(peak_budget: float) -> str:
     return f"{PEAK_GROUP} bytes per device <= {peak_budget:.6g}"
+
+
+def param_group(param_budget: float) -> str:
+    return f"memory constraint: parameter bytes per device <= {param_budget:.6g}"
 
 
 @dataclass
@@ -230,6 +235,39 @@ class PeakRows:
             rows.append(row)
         return rows
 
+    def least_params(self, problem: PlacementProblem, row: BudgetRow, fixed: list[FixedRows]) -> tuple[int, dict]:
+        """The fewest parameter bytes per device a plan stores under the pins ``fixed``, from the
+        parameter row ``row``: each unit at the allowed strategy with the fewest bytes (units are
+        independent here: nothing else bounds a parameter's placement). Also that strategy per unit
+        (``param_shards`` names what it stores). Units the pins leave no strategy are skipped: their
+        conflict is reported on its own."""
+        allowed: dict[fx.Node, np.ndarray] = {}
+        for f in fixed:
+            for u, idx in f.items:
+                ok = np.isin(np.arange(len(problem.unit_cost[u])), idx)
+                allowed[u] = allowed[u] & ok if u in allowed else ok
+        total, best = 0.0, {}
+        for unit, coeffs in row.coeffs:
+            ok = ~problem.forbidden[unit] & allowed.get(unit, True)
+            if ok.any():
+                best[unit] = int(np.flatnonzero(ok)[np.argmin(coeffs[ok])])
+                total += coeffs[best[unit]]
+        return round(total), best
+
+    def param_shards(self, problem: PlacementProblem, best: dict[fx.Node, int]) -> list[ParamShard]:
+        """Each parameter's largest shard under its unit's strategy in ``best``, largest first (ties
+        by name)."""
+        shards = []
+        for fqn, n in self.tg.placeholder_for("param").items():
+            rep = problem.clustering.rep[n]
+            unit, m = problem.root[rep]
+            if unit in best:
+                pl = problem.strategies[rep][m[best[unit]]].output
+                val = n.meta["val"]
+                nbytes = local_bytes(tensor_meta(val), pl, self.mesh_shape)
+                shards.append(ParamShard(fqn, tuple(val.shape), val.dtype, nbytes, pl))
+        return sorted(shards, key=lambda p: (-p.nbytes, p.fqn))
+
     def param_row(self, problem: PlacementProblem, budget: float) -> BudgetRow:
         coeffs: dict[fx.Node, np.ndarray] = {}
         for n in self.tg.placeholder_for("param").values():
@@ -240,8 +278,18 @@ class PeakRows:
             meta = tensor_meta(n.meta["val"])
             per = [local_bytes(meta, problem.strategies[rep][i].output, self.mesh_shape) for i in m]
             coeffs[unit] = coeffs.get(unit, 0) + np.array(per, dtype=float) * problem.clustering.multiplicity[rep]
-        group = f"memory constraint: parameter bytes per device <= {budget:.6g}"
-        return BudgetRow(group, tuple(coeffs.items()), budget)
+        return BudgetRow(param_group(budget), tuple(coeffs.items()), budget)
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """A parameter's largest shard under some placement: bytes per device (``autoplan.uneven``)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    placements: Placements
 
 
 def _name(copy: memory.Recomputed | None) -> str:

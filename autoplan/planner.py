@@ -23,13 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoplan import memory, mismatch, overlap, recompute
 from autoplan.clustering import Clustering, untie
 from autoplan.costs import CostModel
-from autoplan.devices import DeviceProfile
+from autoplan.devices import DeviceProfile, dtype_name
 from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
 from autoplan.evaluate import alternatives, evaluate, expand_choice
 from autoplan.heap import collector_paused
 from autoplan.ilp import POLISH_S, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
-from autoplan.peak import PEAK_GROUP, PeakRows, Point, option_name, peak_group
-from autoplan.plan import Plan
+from autoplan.peak import PEAK_GROUP, ParamShard, PeakRows, Point, option_name, param_group, peak_group
+from autoplan.plan import Plan, placements_str
 from autoplan.problem import (
     PlacementProblem,
     allowed_strategies,
@@ -150,11 +150,16 @@ class Planner:
         )
         options = self._options(problem, request, cost_model)
         budgets = self.peak.rows(problem, request.peak_budget, request.outputs, steps, options)
+        fixed = self._fixed_rows(problem, request)
         if request.param_budget is not None:
-            budgets.append(self.peak.param_row(problem, request.param_budget))
+            row = self.peak.param_row(problem, request.param_budget)
+            least, best = self.peak.least_params(problem, row, fixed)
+            if least > request.param_budget:
+                raise _param_budget_error(request.param_budget, least, self.peak.param_shards(problem, best))
+            budgets.append(row)
         solved = solve_placement(
             problem,
-            self._fixed_rows(problem, request),
+            fixed,
             budgets,
             time_limit=time_limit,
             backend=self.solver_backend,
@@ -559,6 +564,28 @@ def _cap_error(groups: tuple[str, ...], why: str, least: int) -> InfeasiblePlanE
 def _percent(gap: float) -> str:
     """A relative gap as a percentage (``unknown`` while the solver has no bound)."""
     return f"{gap:.2%}" if math.isfinite(gap) else "unknown"
+
+
+_NAMED_PARAMS = 5  # parameters a parameter budget's error lists
+
+
+def _param_budget_error(budget: float, least: int, shards: list[ParamShard]) -> InfeasiblePlanError:
+    """No plan stores the parameters within ``budget``: name the largest (at their smallest shard,
+    under the other constraints) and the least budget that any plan meets."""
+    group = param_group(budget)
+    listed = [
+        f"  {p.fqn} {p.shape} {dtype_name(p.dtype)}: {p.nbytes} bytes as {placements_str(p.placements)}"
+        for p in shards[:_NAMED_PARAMS]
+    ]
+    if len(shards) > _NAMED_PARAMS:
+        listed.append(f"  ... and {len(shards) - _NAMED_PARAMS} more")
+    message = (
+        f"No plan meets the {group}: split as finely as the mesh and the other constraints allow, the"
+        f" parameters still take {least} bytes ({_size(least)}) per device. The largest, at their smallest"
+        " shards:\n" + "\n".join(listed) + f"\nRaise param_bytes to at least {least} (a pinned parameter"
+        " counts at its pinned placement)"
+    )
+    return InfeasiblePlanError([group], message, smallest_param_bytes=least)
 
 
 def _size(n: float) -> str:

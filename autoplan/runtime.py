@@ -20,13 +20,21 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.adapters.dtensor import local_shape
 from autoplan.adapters.fx import boxed
-from autoplan.adapters.local_tensor import mesh_coordinate, per_rank, same_state, world_key, write_state
+from autoplan.adapters.local_tensor import (
+    mesh_coordinate,
+    per_rank,
+    per_rank_empty,
+    same_state,
+    world_key,
+    write_state,
+)
 from autoplan.devices import dtype_name
 from autoplan.errors import ConstraintError, InputMismatchError
 from autoplan.inputs import InputSpec
 from autoplan.lowering import LoweredGraph
 from autoplan.plan import placements_str
 from autoplan.strategies import Placements
+from autoplan.uneven import is_uneven, local_shape_at
 
 
 @dataclass
@@ -94,7 +102,14 @@ class ParallelMixin:
     def to_empty(self, *, device, recurse: bool = True):
         super().to_empty(device=device, recurse=recurse)
         for t in [*self.parameters(), *self.buffers()]:
-            if isinstance(t, DTensor):
+            if isinstance(t, DTensor) and is_uneven(t.shape, t.placements, t.device_mesh.shape):
+                # the meta shard has one rank's rows; each (simulated) rank gets its own piece's
+                shape, placements, mesh = tuple(t.shape), t.placements, t.device_mesh
+                at = lambda c, shape=shape, placements=placements, mesh=mesh: local_shape_at(  # noqa: E731
+                    shape, placements, mesh.shape, c
+                )
+                t._local_tensor = per_rank_empty(t._local_tensor, mesh, at)
+            elif isinstance(t, DTensor):
                 t._local_tensor = per_rank(t._local_tensor)
         # a buffer outside the state dict keeps what to_empty left unless something fills it
         self._autoplan.unfilled = {fqn: _written(self.get_buffer(fqn)) for fqn in _non_persistent(self)}
@@ -106,7 +121,10 @@ class ParallelMixin:
             _check_filled(self, state)
         flat = state.bind(args, kwargs)
         _check_inputs(flat, state)
-        params = [p.to_local() for p in state.params(self)]
+        params = [
+            p.to_local() if i not in state.padded else _PaddedShard.apply(p, state.padded[i])
+            for i, p in enumerate(state.params(self))
+        ]
         buffers = [b.to_local() if isinstance(b, DTensor) else b for b in state.buffers(self)]
         coordinate, *constants = state.per_rank([state.coordinate(), *buffers, *flat])
         outs = _PlanFunction.apply(state.executor, coordinate, *params, *constants)
@@ -125,6 +143,28 @@ def _write_buffers(module: nn.Module, written: list[str], outs: tuple) -> tuple:
             buffer = module.get_buffer(fqn)
             (buffer.to_local() if isinstance(buffer, DTensor) else buffer).copy_(value)
     return outs[:n]
+
+
+class _PaddedShard(torch.autograd.Function):
+    """An unevenly split parameter's shard padded with zeros at its end to ``shape``, the largest
+    shard's, which the lowered graph takes on every rank (``autoplan.uneven``). Its gradient, the
+    unpadded part, is handed back placed as the parameter with the parameter's global shape and
+    strides (``to_local``'s own backward infers the strides from the rank's rows, which differ by
+    rank on an uneven dim)."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, shape: tuple[int, ...]) -> torch.Tensor:
+        local = param.to_local()
+        ctx.param = (param.device_mesh, param.placements, param.shape, param.stride(), tuple(local.shape))
+        pads = [p for d in reversed(range(local.ndim)) for p in (0, shape[d] - local.shape[d])]
+        return torch.nn.functional.pad(local, pads)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mesh, placements, shape, stride, rows = ctx.param
+        for d, size in enumerate(rows):
+            grad = grad.narrow(d, 0, size)
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None
 
 
 def _non_persistent(module: nn.Module) -> list[str]:
@@ -184,6 +224,7 @@ class _State:
     output_shapes: list[tuple[torch.Size, tuple[int, ...]] | None]
     return_dtensor: bool
     written_buffers: list[str]  # buffers the forward writes, in the order their new values follow the outputs
+    padded: dict[int, tuple[int, ...]] = field(default_factory=dict)  # uneven parameter's index -> its padded shape
     coordinates: dict = field(default_factory=dict)  # per simulated world (``world_key``): this rank's mesh coordinate
     unfilled: dict = field(default_factory=dict)  # non-persistent buffer FQN -> ``_written`` right after to_empty
 
@@ -287,10 +328,12 @@ def build_parallel_module(
         # the traced graph already contains what the hooks did; running them again would redo it
         m._forward_pre_hooks.clear()
         m._forward_hooks.clear()
-    input_locals = []
+    input_locals, params = [], []
     for (kind, _), pl, local in zip(lowered.input_labels, lowered.input_placements, lowered.local_shapes):
         if kind == "input":
             input_locals.append(local + (pl,))
+        elif kind == "param":
+            params.append(local[0] if is_uneven(local[1], pl, mesh.shape) else None)
     object.__setattr__(
         pmod,
         "_autoplan",
@@ -305,6 +348,7 @@ def build_parallel_module(
             output_shapes=output_shapes,
             return_dtensor=return_dtensor,
             written_buffers=list(written_buffers),
+            padded={i: shape for i, shape in enumerate(params) if shape is not None},
         ),
     )
     return pmod

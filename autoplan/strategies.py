@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import operator
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,21 +83,22 @@ def aliases_input(node: fx.Node) -> bool:
     return op is operator.getitem or op in _ALIASING or getattr(op, "is_view", False)
 
 
-def is_valid(placements: Placements | None, val, mesh_shape: Sequence[int]) -> bool:
-    """Reject shards the mesh cannot split evenly, partial integer tensors and exotic placement
-    types: the rules ``constraints.placement_error`` words for users."""
+def is_valid(placements: Placements | None, val, mesh_shape: Sequence[int], uneven: bool = False) -> bool:
+    """Reject shards the mesh cannot split evenly (unless ``uneven``: a parameter's storage, see
+    ``autoplan.uneven``), partial integer tensors and exotic placement types: the rules
+    ``constraints.placement_error`` words for users. Ops compute on even shards only."""
     if placements is None:
         return True
     if not isinstance(val, torch.Tensor):
         return all(isinstance(p, Replicate) for p in placements)
-    return placement_error(placements, val, mesh_shape, whole=False) is None
+    return placement_error(placements, val, mesh_shape, whole=False, uneven=uneven) is None
 
 
-def all_placements(val, mesh_shape: Sequence[int], partial: bool = False) -> list[Placements]:
+def all_placements(val, mesh_shape: Sequence[int], partial: bool = False, uneven: bool = False) -> list[Placements]:
     """Every valid Replicate/Shard (and optionally Partial) assignment over the mesh dims."""
     ndim = val.ndim if isinstance(val, torch.Tensor) else 0
     base = [Replicate(), *[Shard(d) for d in range(ndim)]] + ([Partial()] if partial else [])
-    return [p for p in itertools.product(base, repeat=len(mesh_shape)) if is_valid(p, val, mesh_shape)]
+    return [p for p in itertools.product(base, repeat=len(mesh_shape)) if is_valid(p, val, mesh_shape, uneven)]
 
 
 def _product_rows(rows: Sequence[tuple], n_out: int, mesh_ndim: int) -> list[Strategy]:
@@ -318,9 +319,11 @@ class StrategyBuilder:
             found = self._done[key] = self._for_op(node, choices)
         return dataclasses.replace(found, strategies=tuple(list(found.strategies)))
 
-    def for_placeholder(self, node: fx.Node) -> NodeStrategies:
+    def for_placeholder(self, node: fx.Node, uneven: bool = False) -> NodeStrategies:
+        """Every placement of a graph input; ``uneven``: uneven shards too (a parameter's storage)."""
         val = node.meta["val"]
-        return NodeStrategies(tuple(Strategy((p,), ()) for p in all_placements(val, self.mesh_shape)), "placeholder")
+        placements = all_placements(val, self.mesh_shape, uneven=uneven)
+        return NodeStrategies(tuple(Strategy((p,), ()) for p in placements), "placeholder")
 
     def for_constant(self, node: fx.Node) -> NodeStrategies:
         """A tensor constant of the graph (a mask, a table built in ``forward``): every rank holds it."""
@@ -363,19 +366,24 @@ class StrategyBuilder:
 
 
 def enumerate_strategies(
-    graph: fx.Graph, rep: dict[fx.Node, fx.Node], builder: StrategyBuilder
+    graph: fx.Graph,
+    rep: dict[fx.Node, fx.Node],
+    builder: StrategyBuilder,
+    uneven: Collection[fx.Node] = frozenset(),
 ) -> dict[fx.Node, NodeStrategies]:
     """Strategies for every representative node, in graph order.
 
     An input's choices are the placements its producer can output. When the producer has not been
     enumerated yet (a tied layer reading a later copy's value), every placement is a choice.
+    The placeholders in ``uneven`` (the parameters) may also be stored split unevenly; their
+    readers still get them in even placements (``autoplan.uneven``).
     """
     out: dict[fx.Node, NodeStrategies] = {}
     for n in progress(graph.nodes, "strategies", len(graph.nodes)):
         if rep[n] is not n:
             continue
         if n.op == "placeholder":
-            out[n] = builder.for_placeholder(n)
+            out[n] = builder.for_placeholder(n, uneven=n in uneven)
         elif n.op == "get_attr":
             out[n] = builder.for_constant(n)
         elif n.op == "call_function" and n.target is not operator.getitem:

@@ -44,6 +44,8 @@ def make(name: str, batch_rows: int = 4):
         return TiedLM, (lambda g: torch.randint(0, 64, (batch_rows, 8), generator=g))
     if name == "mlp":
         return (lambda: MLP(32, 64, 32)), (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
+    if name == "uneven_mlp":  # 30 hidden units and 10 outputs: no mesh of 4 or 8 splits them evenly
+        return (lambda: MLP(32, 30, 10)), (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
     if name == "corners":
         return Corners, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
     if name == "weightnorm":

@@ -20,6 +20,7 @@ from autoplan import (
 )
 from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
 from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.strategies import output_vals, tensor_inputs
 from solvers import InfeasibleError
 
 aten = torch.ops.aten
@@ -107,8 +108,9 @@ def test_unsplittable_output_and_node_shapes(mesh):
     with torch.device("meta"):
         model = nn.Linear(6, 4)
     with AutoParallel(model, mesh, input_fn=lambda: torch.randn(8, 6)) as ap:
-        with pytest.raises(ConstraintError, match=r"'weight'.*shape \(4, 6\).*mesh \(2, 4\)"):
-            ap.add_node_constraint("weight", (R, Shard(1)))  # 6 columns over 4 devices
+        ap.add_node_constraint("weight", (R, Shard(1)))  # 6 columns over 4 devices: a parameter's storage may
+        with pytest.raises(ConstraintError, match=r"'t'.*shape \(6, 4\).*mesh \(2, 4\)"):
+            ap.add_node_constraint("t", (R, Shard(0)))  # an op's value may not: ops compute on even shards
 
 
 def test_wrong_number_of_placements(mesh):
@@ -250,9 +252,10 @@ def test_models_already_distributed_are_refused(mesh):
         AutoParallel(dt, mesh, input_fn=lambda: torch.randn(8, 8))
 
 
-def test_uneven_shapes_are_never_split_unevenly():
-    """Batch 30 on 4 ranks and a 50257-token vocabulary on 8: asking for the uneven split names the
-    dim and the ways; left free, the plan keeps those dims whole (autoplan does not pad)."""
+def test_only_parameters_are_split_unevenly():
+    """Batch 30 on 4 ranks and a 50257-token vocabulary on 8: an input or an op's value split
+    unevenly is refused, naming the dim and the ways. A parameter may be stored split unevenly
+    (``autoplan.uneven``), but every op of the plan still reads and makes even shards."""
     mesh = fake_mesh((4,), ("dp",))
     with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(30, 8)) as ap:
         with pytest.raises(ConstraintError, match=r"dim 0 of shape \(30, 8\) \(size 30\) cannot be split 4 ways"):
@@ -261,10 +264,17 @@ def test_uneven_shapes_are_never_split_unevenly():
         lm = nn.Sequential(nn.Embedding(50257, 16), nn.Linear(16, 50257))
     with AutoParallel(lm, fake_mesh((8,), ("tp",)), input_fn=lambda: torch.randint(0, 50257, (8, 4))) as ap:
         with pytest.raises(ConstraintError, match=r"\(size 50257\) cannot be split 8 ways"):
-            ap.add_node_constraint("1.weight", (S0,))
+            ap.add_node_constraint("1", (Shard(2),))  # the logits
+        ap.add_node_constraint("1.weight", (S0,))
         plan = ap.optimize_placement()
-    for fqn in ("0.weight", "1.weight", "1.bias"):
-        assert Shard(0) not in plan.param_placements[fqn], (fqn, plan.param_placements[fqn])
+        ops = [n for n in ap.traced.gm.graph.nodes if n.op == "call_function" and n.name in plan.nodes]
+    assert plan.param_placements["1.weight"] == (S0,)
+    for n in ops:
+        placed = plan.nodes[n.name]
+        values = [(v.shape, pl) for v, pl in zip(output_vals(n), placed.outputs) if isinstance(v, torch.Tensor)]
+        values += [(a.meta["val"].shape, pl) for a, pl in zip(tensor_inputs(n), placed.inputs)]
+        for shape, placements in values:
+            assert all(shape[p.dim] % 8 == 0 for p in placements if isinstance(p, Shard)), (n.name, placements, shape)
 
 
 def test_a_plan_the_solver_stopped_on_warns_with_its_gap(monkeypatch, mesh):

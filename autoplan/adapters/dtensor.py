@@ -7,10 +7,12 @@ upgrade touches one module.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -26,6 +28,8 @@ from torch.distributed.tensor._redistribute import (
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+
+from autoplan.uneven import gather_runs, is_uneven, pad_segments, uneven_dims
 
 Placements = tuple[Placement, ...]
 _PLAIN = frozenset({Shard, Replicate, Partial})
@@ -255,8 +259,13 @@ def redistribute(value: DTensor, placements: Placements, coordinate: torch.Tenso
     mesh = value.device_mesh
     src = value._spec
     dst = make_spec(mesh, placements, src.tensor_meta)
+    shape, mesh_shape = tuple(value.shape), tuple(mesh.shape)
     with disable_redistribute_transform_optimization():
-        if coordinate is None:
+        if is_uneven(shape, src.placements, mesh_shape) or is_uneven(shape, dst.placements, mesh_shape):
+            if coordinate is None:
+                raise ValueError("a move from or to an uneven split is lowered with the rank's mesh coordinate")
+            local = _redistribute_uneven(value._local_tensor, src, dst, coordinate)
+        elif coordinate is None:
             local = redistribute_local_tensor(value._local_tensor, src, dst)
         else:
             local = _redistribute_rank_generic(value._local_tensor, src, dst, coordinate)
@@ -294,6 +303,82 @@ def _redistribute_rank_generic(
             local = redistribute_local_tensor(local, make_spec(mesh, current, meta), make_spec(mesh, target, meta))
         current = target
     return local
+
+
+def _redistribute_uneven(
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coordinate: torch.Tensor
+) -> torch.Tensor:
+    """A move from or to an uneven split on padded shards (``autoplan.uneven``), as
+    ``CostModel._uneven_plan`` prices it: the graph is the same on every rank, so every rank's piece
+    of an uneven split is padded at its end to the largest piece's rows.
+
+    From an uneven split: each such dim is all-gathered innermost mesh dim first (the padded
+    pieces then lie in rank order), its rows picked out of the padded blocks, and DTensor's even
+    move does the rest. To one: DTensor's even move to the target with those mesh dims left
+    partial or replicated, then each dim padded to every rank's piece and reduce-scattered (or
+    chunked by the rank's coordinate) over its mesh dims, outermost first."""
+    mesh, meta = src.mesh, src.tensor_meta
+    shape, mesh_shape = tuple(meta.shape), tuple(mesh.shape)
+    srcp, dstp = tuple(src.placements), tuple(dst.placements)
+    src_uneven, dst_uneven = uneven_dims(shape, srcp, mesh_shape), uneven_dims(shape, dstp, mesh_shape)
+    if src_uneven and dst_uneven:
+        raise ValueError(f"no move between two uneven splits {srcp} -> {dstp} of shape {shape}")
+    if src_uneven:
+        gathered = {i for dims in src_uneven.values() for i in dims}
+        for d, mesh_dims in sorted(src_uneven.items()):
+            for i in reversed(mesh_dims):
+                local = _gather_padded(local, d, mesh_shape[i], (mesh, i))
+            local = _unpad(local, d, shape[d], [mesh_shape[i] for i in mesh_dims])
+        mid = tuple(Replicate() if i in gathered else p for i, p in enumerate(srcp))
+        return _redistribute_rank_generic(local, make_spec(mesh, mid, meta), dst, coordinate)
+    on = {i for dims in dst_uneven.values() for i in dims}
+    mid = tuple(
+        dstp[i] if i not in on else srcp[i] if isinstance(srcp[i], (Partial, Replicate)) else Replicate()
+        for i in range(len(dstp))
+    )
+    local = _redistribute_rank_generic(local, src, make_spec(mesh, mid, meta), coordinate)
+    for d, mesh_dims in sorted(dst_uneven.items()):
+        local = _pad(local, d, shape[d], [mesh_shape[i] for i in mesh_dims])
+        for i in mesh_dims:
+            n = mesh_shape[i]
+            if isinstance(mid[i], Partial):
+                local = _reduce_scatter_padded(local, d, n, mid[i].reduce_op, (mesh, i))
+            else:
+                local = _take_chunk(local, d, n, coordinate[i : i + 1])
+    return local
+
+
+def _gather_padded(t: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
+    """All-gather equal (padded) pieces along ``dim``, in rank order."""
+    if dim == 0:
+        return _waited(_all_gather(t.contiguous(), 0, group))
+    return _gather_on(t, dim, n, group)
+
+
+def _reduce_scatter_padded(t: torch.Tensor, dim: int, n: int, op: str, group) -> torch.Tensor:
+    """Reduce-scatter a dim laid out as ``n`` equal (padded) pieces."""
+    if dim == 0:
+        return _waited(_reduce_scatter(t.contiguous(), op, 0, group))
+    return _reduce_scatter_on(t, dim, n, op, group)
+
+
+def _unpad(t: torch.Tensor, dim: int, size: int, ways: Sequence[int]) -> torch.Tensor:
+    """The ``size`` rows of a gathered padded dim, in order: a view when the padding is a tail."""
+    runs = gather_runs(size, ways)
+    if len(runs) == 1 and runs[0][0] == 0:
+        return t.narrow(dim, 0, size)
+    return torch.cat([t.narrow(dim, at, rows) for at, _, rows in runs], dim)
+
+
+def _pad(t: torch.Tensor, dim: int, size: int, ways: Sequence[int]) -> torch.Tensor:
+    """A whole dim of ``size`` rows laid out as every rank's piece padded to the largest (zeros)."""
+    parts = []
+    for offset, rows in pad_segments(size, ways):
+        if offset is None:
+            parts.append(t.new_zeros((*t.shape[:dim], rows, *t.shape[dim + 1 :])))
+        else:
+            parts.append(t.narrow(dim, offset, rows))
+    return torch.cat(parts, dim)
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -349,10 +434,18 @@ def local_shape(shape: Sequence[int], mesh: DeviceMesh, placements: Placements) 
     return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])
 
 
-def flattened_group_name(mesh: DeviceMesh) -> str:
-    """Process group over all of ``mesh``'s ranks in row-major order (created on first use, on every rank)."""
-    if mesh.mesh_dim_names:
-        return mesh._flatten().get_group().group_name
-    import torch.distributed as dist
+_FLAT_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, str] = weakref.WeakKeyDictionary()
 
-    return dist.new_group(ranks=mesh.mesh.flatten().tolist()).group_name
+
+def flattened_group_name(mesh: DeviceMesh) -> str:
+    """Process group over all of ``mesh``'s ranks in row-major order (created on first use per
+    mesh, on every rank).
+
+    A plain group, not a flattened ``DeviceMesh`` (``mesh._flatten()``): once that exists, DTensor
+    (torch 2.13) merges the per-mesh-dim gathers of a nested shard into one gather over it, which
+    misplaces the rows of an uneven one (``full_tensor()`` of a parameter split 10 rows over 2x4
+    returns rows 5-7 as zeros), since its flat chunks are not the nested ones."""
+    name = _FLAT_GROUPS.get(mesh)
+    if name is None:
+        name = _FLAT_GROUPS[mesh] = dist.new_group(ranks=mesh.mesh.flatten().tolist()).group_name
+    return name

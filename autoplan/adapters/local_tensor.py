@@ -41,6 +41,20 @@ def _rank_map(make: Callable[[int], torch.Tensor]) -> torch.Tensor:
     return make(dist.get_rank()) if mode is None else mode.rank_map(make)
 
 
+def per_rank_empty(t: torch.Tensor, mesh: DeviceMesh, shape_at: Callable[[list[int]], tuple[int, ...]]) -> torch.Tensor:
+    """A new uninitialised tensor like ``t`` whose shape is ``shape_at(coordinate)`` for this rank's
+    mesh coordinate, with each simulated rank's own shape under ``LocalTensorMode`` (an uneven
+    shard's rows differ by rank)."""
+
+    def make(rank: int) -> torch.Tensor:
+        found = (mesh.mesh == rank).nonzero()
+        if len(found) != 1:
+            raise ValueError(f"rank {rank} is not in the mesh {mesh.mesh.tolist()}")
+        return t.new_empty(shape_at(found[0].tolist()))
+
+    return _rank_map(make)
+
+
 def per_rank(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its own storage on every simulated rank. Under ``LocalTensorMode`` a plain tensor is
     one storage read by all ranks, so an in-place update (an optimizer step) would land once per rank."""
