@@ -5,7 +5,7 @@ one device: the losses, every parameter's gradient and every buffer the step wri
 import pytest
 import torch
 from conftest import fake_mesh
-from models import CheckpointedMLP, ResNet
+from models import CheckpointedMLP, ResNet, ViT
 from parallel_run import close
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -132,6 +132,18 @@ def test_batchnorm_statistics_over_the_split_batch_emerge_from_costs():
         assert all(isinstance(p, Shard) for p in strategy.inputs[0]), (n.name, strategy)
         assert all(isinstance(p, Partial) for p in strategy.outputs[0]), (n.name, strategy)
     assert plan.collective_counts().get("all_reduce", 0) >= len(means)
+
+
+def test_vit_with_a_class_token_and_197_positions_matches_one_device():
+    """A ViT: patch embedding, a class token, 197 learned positions (no mesh dim splits them evenly) and
+    a 10-class head, under the README's parameter budget of 1/8: stored unevenly where they do not
+    split, and trained as one device trains it."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 3, 56, 56, generator=g) for _ in range(STEPS)]
+    targets = [torch.randn(8, 10, generator=g) for _ in range(STEPS)]
+    plan, _, differ = run_both(ViT, batches, targets, lambda ap: ap.add_memory_constraint(param_fraction=1 / 8))
+    assert not differ, differ
+    assert plan.param_placements["pos"] != (R, R)
 
 
 def test_checkpointed_closures_and_a_custom_autograd_function_match_one_device():
