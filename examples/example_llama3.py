@@ -45,7 +45,7 @@ from autoplan.workloads import fake_mesh, llama_batch, parse_mesh
 from solvers import InfeasibleError, SolverTimeoutError
 
 EXECUTE_MESH, EXECUTE_BATCH, EXECUTE_SEQ, EXECUTE_STEPS = (2, 2), 8, 32, 5
-# the mesh planned on when --mesh is not given: debug is too small to split over 128 ranks
+# the mesh planned on when --mesh is not given: debug is too small to be worth splitting over 128 ranks
 DEFAULT_MESH = {"debug": "2x2", "8b": "16x8", "70b": "16x8"}
 # errors autoplan raises on purpose: their message names the culprit, a traceback adds nothing
 PLANNING_ERRORS = (AutoplanError, InfeasibleError, SolverTimeoutError)
@@ -53,13 +53,7 @@ PLANNING_ERRORS = (AutoplanError, InfeasibleError, SolverTimeoutError)
 
 def planning_failed(what: str, error: Exception) -> str:
     """One message for an error autoplan raised while planning ``what``."""
-    hint = ""
-    if isinstance(error, InfeasibleError) and "parameter bytes" in str(error):
-        hint = (
-            "\n(this example caps each device's parameters at 1/ranks of the model: a small model needs a mesh"
-            " of fewer ranks, e.g. --mesh 2x2)"
-        )
-    return f"example_llama3.py: planning {what} failed: {error}{hint}"
+    return f"example_llama3.py: planning {what} failed: {error}"
 
 
 def plan_llama(mesh, cfg, batch: int, seq: int, dtype: torch.dtype, profile) -> tuple:
