@@ -27,7 +27,22 @@ IO = (Shard(0), Replicate())
         pytest.param("llama3-debug", None, "2x4", None, 0.05, marks=pytest.mark.slow),
         # 8B dims, local batch 1x1024 (~2 min and 3.8, 4.3 and 7.4 GiB each)
         pytest.param("llama3-8b", 2, "16x8", None, 0.05, marks=pytest.mark.slow),
-        pytest.param("llama3-8b", 4, "16x8", None, 0.05, marks=pytest.mark.slow),
+        pytest.param(
+            "llama3-8b",
+            4,
+            "16x8",
+            None,
+            0.05,
+            marks=[
+                pytest.mark.slow,
+                # strict: passing again fails this mark, so it goes as soon as the estimate is right
+                pytest.mark.xfail(
+                    strict=True,
+                    reason="issue 35: since the cost fix 4f5e52c the plan keeps the embedding's gradient"
+                    " Partial(sum) on tp, and the estimate is 12.4% under the measured peak (2401.6 of 2741.2 MiB)",
+                ),
+            ],
+        ),
         pytest.param("llama3-8b", 2, "128", None, 0.05, marks=pytest.mark.slow),
     ],
 )
