@@ -25,6 +25,21 @@ LLAMA_TP = [
 MLP_TP = [("fc1.weight", (S0, S0)), ("fc2.weight", (S0, S1))]
 
 
+def one_value(t: torch.Tensor, ranks: int = 8) -> torch.Tensor:
+    """A replicated value as one tensor (a DTensor's full tensor), after checking every simulated rank
+    holds it (to fp32 noise: compiled kernels may sum in a different order); a real rank's as it is."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    if not isinstance(t, LocalTensor):
+        return t
+    values = [t._local_tensors[r] for r in range(ranks)]
+    for v in values[1:]:
+        assert torch.allclose(v, values[0], rtol=1e-6, atol=1e-7)
+    return values[0]
+
+
 def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     """fp32 agreement: elementwise allclose(rtol=1e-5, atol=1e-6) and a relative norm error below 1e-5."""
     rel = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import fake_mesh
 from models import EncDec
-from parallel_run import close
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from parallel_run import close, one_value
+from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel, ConstraintError, InputMismatchError
@@ -24,15 +24,6 @@ RANKS = 8
 R, S0 = Replicate(), Shard(0)
 IO = (S0, R)
 BATCH, SRC, TGT, VOCAB = 8, 12, 10, 64
-
-
-def _one_value(t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, LocalTensor):
-        return t
-    values = [t._local_tensors[r] for r in range(RANKS)]
-    for v in values[1:]:
-        assert torch.allclose(v, values[0], rtol=1e-6, atol=1e-7)
-    return values[0]
 
 
 def _batch(seed: int) -> dict:
@@ -149,10 +140,10 @@ def test_encdec_trains_like_one_device(name):
             loss.backward()
             if step == 0:
                 bad = [
-                    n for n, p in pmod.named_parameters() if not close(_one_value(p.grad.full_tensor()), ref_grads[n])
+                    n for n, p in pmod.named_parameters() if not close(one_value(p.grad.full_tensor()), ref_grads[n])
                 ]
                 assert not bad, bad
-            opt_losses.append(float(_one_value(loss.full_tensor())))
+            opt_losses.append(float(one_value(loss.full_tensor())))
             opt.step()
             opt.zero_grad()
     assert opt_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)

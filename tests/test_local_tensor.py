@@ -15,6 +15,7 @@ from parallel_run import (
     MLP_TP,
     check_run,
     graph_report,
+    one_value,
     parallel_run,
     plan_and_apply,
     reference_run,
@@ -30,23 +31,12 @@ RANKS = 8
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 
 
-def _one_value(t: torch.Tensor) -> torch.Tensor:
-    """A replicated value as one tensor, after checking every simulated rank holds it (to fp32
-    noise: compiled kernels may sum in a different order)."""
-    if not isinstance(t, LocalTensor):
-        return t
-    values = [t._local_tensors[r] for r in range(RANKS)]
-    for v in values[1:]:
-        assert torch.allclose(v, values[0], rtol=1e-6, atol=1e-7)
-    return values[0]
-
-
 def _run(name: str, pins: list, compiled: bool, return_dtensor: bool = False, **apply_options) -> dict:
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run(name, batch_rows=8)
     plan, lowered, pmod = plan_and_apply(mesh, name, pins, batch_rows=8, return_dtensor=return_dtensor, **apply_options)
     with LocalTensorMode(RANKS):
-        result = parallel_run(mesh, pmod, ref, compiled, plain=_one_value)
+        result = parallel_run(mesh, pmod, ref, compiled, plain=one_value)
     return result | {"ref_losses": ref.losses} | graph_report(plan, lowered)
 
 
@@ -124,7 +114,7 @@ def test_optimizer_steps_each_simulated_rank_once():
             ones = mode.rank_map(lambda _, p=p: torch.ones(p.to_local().shape))  # a gradient computed per rank
             p.grad = DTensor.from_local(ones, mesh, p.placements, run_check=False)
         torch.optim.SGD(pmod.parameters(), lr=0.5).step()
-        assert all(torch.equal(_one_value(p.full_tensor()), torch.full(p.shape, -0.5)) for p in pmod.parameters())
+        assert all(torch.equal(one_value(p.full_tensor()), torch.full(p.shape, -0.5)) for p in pmod.parameters())
 
 
 def _local_values(mesh, src, full: torch.Tensor) -> DTensor:
@@ -208,5 +198,5 @@ def test_unfilled_non_persistent_buffer_is_named_before_it_runs():
             pmod(x)
         with implicit_replication():
             pmod.get_buffer("positions").copy_(torch.arange(8))
-        out = _one_value(pmod(x))
+        out = one_value(pmod(x))
     torch.testing.assert_close(out, real(x), rtol=1e-5, atol=1e-6)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import fake_mesh
 from models import CheckpointedMLP, ResNet, ViT
-from parallel_run import close
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from parallel_run import close, one_value
+from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel, Plan
@@ -16,17 +16,6 @@ RANKS, STEPS = 8, 2
 R, S0 = Replicate(), Shard(0)
 IO = (S0, R)
 aten = torch.ops.aten
-
-
-def _one(t: torch.Tensor) -> torch.Tensor:
-    """Rank 0's value of a replicated tensor, after checking every simulated rank holds it."""
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    if not isinstance(t, LocalTensor):
-        return t
-    values = [t._local_tensors[r] for r in range(RANKS)]
-    assert all(torch.equal(v, values[0]) for v in values[1:])
-    return values[0]
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -70,15 +59,15 @@ def run_both(build, batches, targets, constrain=lambda ap: None):
             out = DTensor.from_local(pmod(distribute_tensor(x, mesh, IO).to_local()), mesh, IO, run_check=False)
             loss = _loss(out, distribute_tensor(y, mesh, IO))
             loss.backward()
-            if not close(_one(loss), ref_losses[step]):
+            if not close(one_value(loss), ref_losses[step]):
                 differ.append(f"loss {step}")
             if step == 0:
-                differ += [n for n, p in pmod.named_parameters() if not close(_one(p.grad), ref_grads[n])]
+                differ += [n for n, p in pmod.named_parameters() if not close(one_value(p.grad), ref_grads[n])]
             opt.step()
             opt.zero_grad()
         for name, b in pmod.named_buffers():
             want = ref.get_buffer(name)
-            got = _one(b)
+            got = one_value(b)
             if not (torch.equal(got, want) if not want.is_floating_point() else close(got, want)):
                 differ.append(f"buffer {name}")
     return plan, ap.lowered.collective_counts(), differ
