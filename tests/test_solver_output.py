@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+from test_solvers import multi_knapsack
 
-from solvers import ModelBuilder, solve
+from solvers import solve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,16 +48,6 @@ def test_the_solver_prints_nothing_unless_asked():
     assert verbose.stdout.count("objective -23.0\n") == 2
 
 
-def multi_knapsack(n: int = 300, k: int = 15, seed: int = 0):
-    """A multi-dimensional knapsack HiGHS needs several seconds to close."""
-    rng = np.random.default_rng(seed)
-    w = rng.integers(10, 100, size=(k, n)).astype(float)
-    b = ModelBuilder("mkp")
-    x = b.add_vars(n, cost=-rng.integers(10, 100, size=n).astype(float))
-    b.add_rows(np.repeat(np.arange(k), n), np.tile(x, k), w.ravel(), -np.inf, w.sum(1) / 4)
-    return b.build()
-
-
 def test_a_long_mip_logs_its_incumbent_bound_gap_and_seconds(monkeypatch, caplog):
     """Every ``PROGRESS_S`` seconds of the search a line at INFO on the logger given; none at all when
     that logger does not show INFO."""
@@ -66,10 +56,10 @@ def test_a_long_mip_logs_its_incumbent_bound_gap_and_seconds(monkeypatch, caplog
     monkeypatch.setattr(solvers.highs_backend, "PROGRESS_S", 0.2)
     log = logging.getLogger("autoplan.test_progress")
     caplog.set_level(logging.WARNING, logger=log.name)
-    solve(multi_knapsack(), lp_first=False, time_limit=0.5, log=log)
+    solve(multi_knapsack(300, 15)[0], lp_first=False, time_limit=0.5, log=log)
     assert not caplog.records
     caplog.set_level(logging.INFO, logger=log.name)
-    result = solve(multi_knapsack(), lp_first=False, time_limit=1.0, log=log)
+    result = solve(multi_knapsack(300, 15)[0], lp_first=False, time_limit=1.0, log=log)
     lines = [r.getMessage() for r in caplog.records if r.name == log.name]
     pattern = r"MIP mkp: incumbent (-?[\d.e+]+|none yet), bound -?[\d.e+]+, gap ([\d.]+%|unknown), (\d+\.\d) s elapsed"
     found = [re.fullmatch(pattern, line) for line in lines]
