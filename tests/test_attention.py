@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import fake_mesh
 from models import SelfAttention
-from parallel_run import LLAMA_TP, check_run, graph_report, parallel_run, plan_and_apply, reference_run
-from test_local_tensor import RANKS, _one_value
+from parallel_run import LLAMA_TP, check_run, graph_report, one_value, parallel_run, plan_and_apply, reference_run
+from test_local_tensor import RANKS
 from torch import nn
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -269,7 +269,7 @@ def _run_on_ranks(name: str, pins, option: str) -> dict:
     assert aten._scaled_dot_product_flash_attention_for_cpu.default in ops  # the host twin ran it
     assert not ops & set(attention.HOST_TWIN)
     with LocalTensorMode(RANKS):
-        result = parallel_run(mesh, pmod, ref, compiled=False, plain=_one_value)
+        result = parallel_run(mesh, pmod, ref, compiled=False, plain=one_value)
     return result | {"ref_losses": ref.losses, "plan": plan} | graph_report(plan, lowered)
 
 
@@ -316,5 +316,5 @@ def test_math_option_reads_a_boolean_mask_as_sdpa_does():
     plan, lowered, pmod = plan_and_apply(mesh, "attention_masked", [], batch_rows=8, attention="math")
     assert not {n.target for n in lowered.joint.graph.nodes} & {spec.op for spec in attention.SDPA_OPS.values()}
     with LocalTensorMode(RANKS):
-        result = parallel_run(mesh, pmod, ref, compiled=False, plain=_one_value)
+        result = parallel_run(mesh, pmod, ref, compiled=False, plain=one_value)
     check_run(result | {"ref_losses": ref.losses} | graph_report(plan, lowered))
