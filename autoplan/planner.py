@@ -213,7 +213,7 @@ class Planner:
         it is (``polish_s=0``), and only the last round's plan, once within the cap, is polished by
         the full MIP: the polish is the slow part, and an earlier round's is thrown away."""
         capped = request.peak_budget is not None
-        steps = {(t, None): 0.0 for t in memory.candidate_steps(self.peak.schedule, count=2)} if capped else {}
+        steps = {(t, None, False): 0.0 for t in memory.candidate_steps(self.peak.schedule, count=2)} if capped else {}
         t0 = time.perf_counter()
 
         start = self._start_of(request.start)
