@@ -199,10 +199,12 @@ def _relayout(mesh_dim: int, shape: Sequence[int], itemsize: int) -> Transfer:
     return Transfer("relayout", mesh_dim, nbytes, nbytes)
 
 
-def peak_buffer_bytes(transfers: Sequence[Transfer]) -> int:
+def peak_buffer_bytes(transfers: Sequence[Transfer], source: int = 0) -> int:
     """The most bytes a redistribution's own buffers hold at once: each primitive's output is made
-    while its input (the previous output; the source is not the move's) is still alive."""
-    peak = previous = 0
+    while its input (the previous output) is still alive. The source is not the move's, but for
+    ``source``: the bytes of a source freed once the first primitive has read it, held beside that
+    primitive's output."""
+    peak, previous = 0, source
     for t in transfers:
         peak, previous = max(peak, previous + t.made), t.made
     return peak
@@ -560,15 +562,28 @@ class CostModel:
             found.setflags(write=False)  # shared by every edge with this key
         return found
 
-    def redistribute_peak_bytes(self, src: Placements, dst: Placements, meta: TensorMeta) -> int:
+    def redistribute_peak_bytes(
+        self, src: Placements, dst: Placements, meta: TensorMeta, consumed: bool = False
+    ) -> int:
         """The most bytes the move from ``src`` to ``dst`` holds at once on a rank, its result
         included (a gather on a non-leading dim holds the gathered chunks and their re-laid copy):
-        what the memory model counts while the reading op runs. At least the result's bytes."""
+        what the memory model counts while the reading op runs. At least the result's bytes.
+
+        ``consumed``: the move is its source's last reader, so the source is freed once the first
+        primitive has read it: the move's peak with the source counted beside that primitive's
+        output, less the source's bytes (counted where the source is stored): less than the
+        result's bytes where the source's moment is the highest, none where no primitive runs
+        (the result is the source)."""
         if tuple(src) == tuple(dst):
             return 0
         plan = self._plan(src, dst, meta)
         final = local_bytes(meta, dst, self.topology.shape)
-        return final if plan is None else max(final, peak_buffer_bytes(plan))
+        if plan is None:
+            return final
+        if not consumed:
+            return max(final, peak_buffer_bytes(plan))
+        source = local_bytes(meta, src, self.topology.shape)
+        return max(0, peak_buffer_bytes(plan, source) - source)
 
     def redistribute_collectives(
         self, src: Placements, dst: Placements, meta: TensorMeta

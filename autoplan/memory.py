@@ -8,25 +8,36 @@ lowered per-rank program runs in. At each step the live bytes are:
 - values: every op output from the step that makes it to the last step that reads it. Views share
   their base's storage. Gradients stay until the optimizer step; model outputs stay until the end of
   the forward (the loss is computed from them) unless the backward reads them. Forward values the
-  backward reads are the activations saved for backward;
+  backward reads are the activations saved for backward. The outputs' gradients (the backward's
+  tangents) stay to the end of the backward: the autograd engine holds the arguments of the
+  backward it calls (``runtime._PlanFunction``) until that returns, so the lowered graph's dropping
+  them after their last reader frees nothing;
 - transient: an op's inputs moved to another placement, alive while the op runs (the lowering
-  redistributes each input inside the op's own segment, so the moved copy is not kept), with the
-  buffers the move's collectives hold around themselves (a gather on a non-leading dim holds the
-  gathered chunks and their re-laid copy at once); likewise a gradient's move into its
-  parameter's placement where it is produced, and the model outputs' moves at the forward's end.
-  A view of a moved input owns the moved copy until the last reader of it or its views; the move's other
-  buffers pass with the view's own step.
+  redistributes each input inside the op's own segment, so the moved copy is not kept); likewise
+  a gradient's move into its parameter's placement where it is produced, and the model outputs'
+  moves at the forward's end. A view of a moved input owns the moved copy until the last reader
+  of it or its views.
 
-The ILP bounds the same sum at a few steps (``PeakRows``); every term is the bytes of one node's
-output under its chosen placement, or a move's bytes over the placements at its two ends, which
-is linear in the placement choice (exactly the walk's sum, but for a few rare shapes the rows
-over-count).
+A step has two moments. While its inputs move, before the op makes anything, each move holds the
+buffers its collectives make around themselves (a gather on a non-leading dim holds the gathered
+chunks and their re-laid copy at once), which are freed before the op runs. While the op runs,
+its moved inputs are their results alone, beside its outputs and the moves of the gradients it
+makes; where such a move is the made copy's last reader, the made copy is freed once the move's
+first collective or copy has read it, and the later buffers do not hold it. The step's bytes are
+the higher moment's.
+
+The ILP bounds the same sums at a few steps (``PeakRows``), each at the moment the walk found
+higher there; every term is the bytes of one node's output under its chosen placement, or a
+move's bytes over the placements at its two ends, which is linear in the placement choice
+(exactly the walk's sum, but for a few rare shapes the rows over-count).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +69,14 @@ class OptimizerSpec:
 
 
 ADAMW = OptimizerSpec()
+
+
+class MovePrice(Protocol):
+    """The bytes a move from the placement a value is made in to the one it is read in holds while
+    it runs, its result included; with ``consumed``, where the move is the value's last reader, the
+    bytes beyond the value's own (``CostModel.redistribute_peak_bytes``)."""
+
+    def __call__(self, made: Placements, read: Placements, meta: Any, consumed: bool = False) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -169,6 +188,9 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> S
             parent = inputs[parent][0]
     first_backward = forward_end + 1
     born = {k: (first_backward if kinds.get(k) == "tangent" else step[k]) for k in order}
+    for k in order:  # the autograd engine holds the backward's arguments until it returns
+        if kinds.get(k) == "tangent":
+            dies[k] = last
     for n in resident:
         born[n], dies[n] = 0, last
     return Schedule(
@@ -188,6 +210,12 @@ class GradientMove:
     made: int
     kept: int  # the last step the made copy is alive when moved
     sole: bool  # its storage holds it alone (one gradient, of the storage's size)
+
+    @property
+    def consumed(self) -> bool:
+        """Its move is its storage's last reader: the made copy is freed once the move's first
+        primitive has read it, so the move's later buffers are held without it."""
+        return self.sole and self.kept == self.made
 
 
 def gradient_moves(tg: TracedGraph, sched: Schedule) -> list[GradientMove]:
@@ -219,12 +247,13 @@ def _made(value: fx.Node, chosen: dict[fx.Node, Strategy]) -> Placements | None:
 
 
 def gradient_prices(
-    moves: list[GradientMove], step: int, move: Price, mesh_shape, before: bool = False
+    moves: list[GradientMove], step: int, move: MovePrice, mesh_shape, before: bool = False
 ) -> list[tuple[GradientMove, Price]]:
     """What each gradient adds at ``step`` (``before``: right before it) to its storage's bytes, as
     a price of its move (made placement, parameter's placement): the move's buffers where it is
-    made; the moved copy while the made one lives; afterwards the moved copy in the made one's
-    place (exact for a storage holding one gradient of its own size, else the moved copy on top)."""
+    made (beyond the made copy's bytes, which it frees, where ``GradientMove.consumed``); the moved
+    copy while the made one lives; afterwards the moved copy in the made one's place (exact for a
+    storage holding one gradient of its own size, else the moved copy on top)."""
     copy = moved_copy_bytes(mesh_shape)
 
     def replaced(made: Placements, read: Placements, meta) -> float:
@@ -234,7 +263,8 @@ def gradient_prices(
     for g in moves:
         if step < g.made or before and step == g.made:
             continue
-        out.append((g, move if step == g.made else copy if step <= g.kept or not g.sole else replaced))
+        made = partial(move, consumed=True) if g.consumed else move
+        out.append((g, made if step == g.made else copy if step <= g.kept or not g.sole else replaced))
     return out
 
 
@@ -286,7 +316,7 @@ def walk(
     mesh_shape,
     optimizer: OptimizerSpec = ADAMW,
     sched: Schedule | None = None,
-    move: Price | None = None,
+    move: MovePrice | None = None,
     fixed_outputs: dict[int, Placements] | None = None,
 ) -> Walk:
     """Walk the schedule under ``chosen`` and find the step with the most bytes alive.
@@ -327,28 +357,38 @@ def walk(
     for b, born, dies in [*owned.values(), *extra]:
         delta[born] += b
         delta[dies + 1] -= b
-    transient = np.zeros(sched.n_steps)
+    # the bytes beside the stored ones at each step's two moments: while its op runs (the moved
+    # copies it reads, then the moves of the gradients it makes, and the model outputs' at the
+    # forward's end), and while its inputs move, before it makes anything (the moves' buffers)
+    running = np.zeros(sched.n_steps)
+    moving = np.full(sched.n_steps, -np.inf)
     copy = moved_copy_bytes(mesh_shape)
     for k, step in sched.step.items():
         n = node_of(k)
         if n in chosen and n.op == "call_function":
-            transient[step] = _moved_inputs(n, chosen, move)
-            if aliases_input(n):  # a view owns its moved copy (above); the move's other buffers pass here
-                transient[step] -= _moved_inputs(n, chosen, copy)
-    for g in moved:  # what the gradient's move holds besides its result (counted above)
+            moving[step] = _moved_inputs(n, chosen, move) - (owned[k][0] if k in owned else 0)
+            if not aliases_input(n):  # a view owns its moved copy (above)
+                running[step] = _moved_inputs(n, chosen, copy)
+    for g in moved:  # what the gradient's move holds besides its result (counted above, from its step)
         meta = tensor_meta(g.value.meta["val"])
         want = chosen[g.param].outputs[0]
-        transient[g.made] += move(_made(g.value, chosen), want, meta) - local_bytes(meta, want, mesh_shape)
-    transient[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
-    live = np.cumsum(delta)[:-1] + transient + optimizer_bytes
+        moved_copy = local_bytes(meta, want, mesh_shape)
+        running[g.made] += move(_made(g.value, chosen), want, meta, consumed=g.consumed) - moved_copy
+        moving[g.made] -= moved_copy  # not made yet
+    running[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
+    stored = np.cumsum(delta)[:-1]
+    live = stored + np.maximum(running, moving) + optimizer_bytes
     t = int(np.argmax(live))
     peak = sched.order[t]
-    parts = {"optimizer": optimizer_bytes, "transient": int(transient[t])}
-    parts["gradients"] = sum(b for b, born, dies in extra if born <= t <= dies)
+    # at the peak while the op's inputs move, what it makes there is not made yet
+    inputs_moving = bool(moving[t] > running[t])
+    held = _moved_inputs(node_of(peak), chosen, move) if inputs_moving else running[t]
+    parts = {"optimizer": optimizer_bytes, "transient": int(held)}
+    parts["gradients"] = sum(b for b, born, dies in extra if born <= t <= dies and not (inputs_moving and born == t))
     saved = 0
     for n, (b, born, dies) in owned.items():
         kind = _kind(n, born, sched, grads)
-        if born <= t <= dies:
+        if born <= t <= dies and not (inputs_moving and n is peak):
             parts[kind] = parts.get(kind, 0) + b
         if kind == "activations" and dies > sched.forward_end:
             saved += b
@@ -379,6 +419,13 @@ def _kind(n: Key, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
 def live_storages(sched: Schedule, step: int) -> list[Key]:
     """The stored values alive at ``step`` (views counted in their base), whatever the placements."""
     return [n for n, o in sched.owner.items() if o is n and sched.born[n] <= step <= sched.dies[n]]
+
+
+def stored_at(sched: Schedule, step: int, moving: bool = False) -> list[Key]:
+    """``live_storages`` at ``step``; ``moving``: while the op there has its inputs moved, before
+    it makes its own storage."""
+    made = sched.order[step] if moving else None
+    return [k for k in live_storages(sched, step) if k is not made]
 
 
 def live_profile(sched: Schedule) -> np.ndarray:
@@ -425,10 +472,10 @@ def row_bytes(
 def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     """The ops whose moved inputs' copies are alive at ``step``, as an ILP row there counts them:
     the op run at ``step`` (a recomputed copy's moves count on its option), whose moves hold all
-    their buffers then (a view's too: a gather through the whole tensor to take a chunk of it
-    holds the whole tensor); and the views alive then, run before, whose input is read in another
-    placement, which hold only the moved result (the view owns it until the last reader of it or its views, see
-    ``walk``)."""
+    their buffers while they run (a view's too: a gather through the whole tensor to take a chunk
+    of it holds the whole tensor) and their results while it runs; and the views alive then, run
+    before, whose input is read in another placement, which hold only the moved result (the view
+    owns it until the last reader of it or its views, see ``walk``)."""
     n = node_of(sched.order[step])
     ops = [n] if n.op == "call_function" else []
     views = {
@@ -439,9 +486,14 @@ def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     return ops, sorted(views, key=sched.step.__getitem__)
 
 
-def moved_copy_bytes(mesh_shape) -> Price:
-    """Bytes of the copy a move from one placement to another makes (none when they are equal)."""
-    return lambda made, read, meta: 0.0 if made == read else float(local_bytes(meta, read, mesh_shape))
+def moved_copy_bytes(mesh_shape) -> MovePrice:
+    """Bytes of the copy a move from one placement to another makes (none when they are equal). The
+    copy is made while its source is alive, so a consumed source changes nothing."""
+
+    def price(made: Placements, read: Placements, meta, consumed: bool = False) -> float:
+        return 0.0 if made == read else float(local_bytes(meta, read, mesh_shape))
+
+    return price
 
 
 def linear_peak_bytes(
@@ -451,18 +503,20 @@ def linear_peak_bytes(
     params: set[fx.Node],
     mesh_shape,
     optimizer,
-    move: Price,
+    move: MovePrice,
     grads: list[GradientMove],
+    moving: bool = False,
 ) -> int:
     """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by
-    ``move``; ``grads``: ``gradient_moves``)."""
-    alive = [node_of(k) for k in live_storages(sched, step)]
+    ``move``; ``grads``: ``gradient_moves``): while its op runs, or with ``moving`` while the op's
+    inputs move, before it makes anything (see ``walk``)."""
+    alive = [node_of(k) for k in stored_at(sched, step, moving)]
     stored = sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen)
     ops, views = moves_at(sched, step)
     copy = moved_copy_bytes(mesh_shape)
-    moved = sum(_moved_inputs(op, chosen, move) for op in ops if op in chosen)
+    moved = sum(_moved_inputs(op, chosen, move if moving else copy) for op in ops if op in chosen)
     moved += sum(_moved_inputs(v, chosen, copy) for v in views if v in chosen)
-    for g, price in gradient_prices(grads, step, move, mesh_shape):
+    for g, price in gradient_prices(grads, step, move, mesh_shape, moving):
         made = _made(g.value, chosen)
         if made is not None:
             moved += price(made, chosen[g.param].outputs[0], tensor_meta(g.value.meta["val"]))

@@ -28,8 +28,9 @@ from autoplan.strategies import Placements, Strategy
 from autoplan.tracing import TracedGraph
 
 # where a peak row bounds the live bytes: a base schedule step, or the recomputed copy (run right
-# before that step, which triggers its chain) at whose run the row measures what recomputing keeps
-Point = tuple[int, "memory.Recomputed | None"]
+# before that step, which triggers its chain) at whose run the row measures what recomputing keeps;
+# and whether at the step's op's run or, before it makes anything, while its inputs move (``memory.walk``)
+Point = tuple[int, "memory.Recomputed | None", bool]
 PEAK_GROUP = "memory constraint: estimated peak"
 MAX_POINTS = 8  # steps one round bounds at most
 
@@ -119,15 +120,18 @@ class PeakRows:
             self._changes[(step, option, copy)] = dict(sorted(by_layer.items()))
         return self._changes[(step, option, copy)]
 
-    def _point(self, sched: memory.Schedule, at: int) -> Point:
-        """Where a row bounds the bytes a plan's schedule ``sched`` holds at its step ``at``: a copy
-        recomputed by an option is at the backward op that triggers its chain (the next entry of
-        the base schedule), at the copy."""
+    def _point(self, sched: memory.Schedule, at: int, moving: bool) -> Point:
+        """Where a row bounds the bytes a plan's schedule ``sched`` holds at its step ``at`` (with
+        ``moving``, while the op's inputs move): a copy recomputed by an option is at the backward
+        op that triggers its chain (the next entry of the base schedule), at the copy, whose row
+        counts the copy's moves beside its run."""
         base = self.schedule.step  # its own recomputed copies (regathered weights) are original entries
         t = at
         while sched.order[t] not in base:
             t += 1
-        return base[sched.order[t]], None if sched.order[at] in base else sched.order[at]
+        if sched.order[at] in base:
+            return base[sched.order[t]], None, moving
+        return base[sched.order[t]], sched.order[at], False
 
     def over(
         self,
@@ -145,16 +149,19 @@ class PeakRows:
         top = [int(np.argmax(live))] + [int(t) for t in maxima[np.argsort(-live[maxima], kind="stable")]]
         grads = self.grads if sched is self.schedule else memory.gradient_moves(self.tg, sched)
         found: dict[Point, float] = {}
+        args = chosen, self.params, self.mesh_shape, self.optimizer, self.move_bytes, grads
+        forward_end = self.schedule.order[self.schedule.forward_end]
         for at in dict.fromkeys(top):
-            point = self._point(sched, at)
+            running = memory.linear_peak_bytes(sched, at, *args)
+            if sched.order[at] is forward_end:  # where the lowering moves the outputs
+                running += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes)
+            moving = -np.inf
+            if memory.node_of(sched.order[at]).op == "call_function":
+                moving = memory.linear_peak_bytes(sched, at, *args, moving=True)
+            point = self._point(sched, at, moving > running)
             if point in found:
                 continue
-            linear = memory.linear_peak_bytes(
-                sched, at, chosen, self.params, self.mesh_shape, self.optimizer, self.move_bytes, grads
-            )
-            if point == (self.schedule.forward_end, None):
-                linear += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes)
-            found[point] = float(live[at]) - linear
+            found[point] = float(live[at]) - max(running, moving)
             if len(found) == MAX_POINTS:
                 break
         return list(found.items())
@@ -168,7 +175,7 @@ class PeakRows:
     def _analogues(self, point: Point) -> list[Point]:
         """The same point in every other layer tied to its layer: a peak found in one of identical
         layers is bounded in all of them at once, not one round per layer."""
-        t, copy = point
+        t, copy, moving = point
         op = self.schedule.order[t]
         node = memory.node_of(op)  # a regathered weight's copy stands for its layer's too
         layer = self.clustering.instance.get(node, "")
@@ -181,7 +188,7 @@ class PeakRows:
             twin = self._twin.get((self.clustering.rep[copy.node], where)) if copy is not None else None
             if where == layer or other not in self.schedule.step or (copy is not None and twin is None):
                 continue
-            out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin)))
+            out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin), moving))
         return out
 
     def _rerun_layer(self, copy: memory.Recomputed | None, option: str) -> str | None:
@@ -199,13 +206,19 @@ class PeakRows:
         steps: dict[Point, float],
         options: list[RecomputeVar],
     ) -> list[BudgetRow]:
-        """The estimated peak at each bounded step, linear in the placements and recompute choices."""
+        """The estimated peak at each bounded step, linear in the placements and recompute choices:
+        at a recomputed copy's run, the base op's moves and the copy's hold all their buffers; else
+        while the step's op runs, its moves hold their results, or while they run, before the op
+        makes its own storage, all their buffers (``memory.walk``)."""
         if peak_budget is None:
             return []
         index = {o.name: i for i, o in enumerate(options)}
         rows = []
-        for (step, copy), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]))):
-            alive = [memory.node_of(k) for k in memory.live_storages(self.schedule, step)]
+        copied = memory.moved_copy_bytes(self.mesh_shape)
+        for (step, copy, moving), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]), kv[0][2])):
+            stored = memory.stored_at(self.schedule, step, moving)
+            alive = [memory.node_of(k) for k in stored]
+            made = {memory.node_of(k) for k in memory.live_storages(self.schedule, step)} - set(alive)
             terms = []
             for option in recompute.OPTIONS:
                 if not any(option_name(layer, option) in index for layer in self.layers):
@@ -219,19 +232,21 @@ class PeakRows:
                         keeps = self.storage_bytes(problem, k)
                         if layer == rerun:
                             keeps.add(input_moves(problem, [copy.node], self.move_bytes))
-                        terms.append((i, self.storage_bytes(problem, f), keeps))
+                        terms.append((i, self.storage_bytes(problem, [n for n in f if n not in made]), keeps))
             coeffs = tuple(self.storage_bytes(problem, alive).units.items())
             ops, views = memory.moves_at(self.schedule, step)
-            moves = input_moves(problem, ops, self.move_bytes)
-            moves.add(input_moves(problem, views, memory.moved_copy_bytes(self.mesh_shape)))
-            made = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, copy is not None)
-            moves.add(gradient_moves(problem, [(g.value, g.param, price) for g, price in made]))
-            if step == self.schedule.forward_end and copy is None:  # where the lowering moves the outputs
+            before = moving or copy is not None
+            moves = input_moves(problem, ops, self.move_bytes if before else copied)
+            moves.add(input_moves(problem, views, copied))
+            grads = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, before)
+            moves.add(gradient_moves(problem, [(g.value, g.param, price) for g, price in grads]))
+            if step == self.schedule.forward_end and not before:  # where the lowering moves the outputs
                 moves.add(output_moves(self.tg, problem, outputs, self.move_bytes))
             group = peak_group(peak_budget)
             name = copy.name if copy is not None else self.schedule.order[step].name
+            where = f"{name}, its inputs moving" if moving else name
             limit = peak_budget - missed
-            row = BudgetRow(f"{group} (at {name})", coeffs, limit, tuple(terms), peak_budget, moves)
+            row = BudgetRow(f"{group} (at {where})", coeffs, limit, tuple(terms), peak_budget, moves)
             rows.append(row)
         return rows
 

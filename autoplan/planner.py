@@ -237,7 +237,7 @@ class Planner:
         it is (``polish_s=0``), and only the last round's plan, once within the cap, is polished by
         the full MIP: the polish is the slow part, and an earlier round's is thrown away."""
         capped = request.peak_budget is not None
-        steps = {(t, None): 0.0 for t in memory.candidate_steps(self.peak.schedule, count=2)} if capped else {}
+        steps = {(t, None, False): 0.0 for t in memory.candidate_steps(self.peak.schedule, count=2)} if capped else {}
         t0 = time.perf_counter()
 
         start = self._start_of(request.start)
@@ -320,10 +320,19 @@ class Planner:
         """The least estimated peak of the plans found within ``_SMALLEST_PEAK_S``. Each recompute
         option on every layer (and none), as the user's pins allow, is tried on its own: with the
         options fixed, minimising the peak is a placement ILP solved in seconds, where the free
-        options' MIP is not. Raises ``InfeasibleError`` when the other constraints conflict."""
-        deadline = time.perf_counter() + _SMALLEST_PEAK_S
+        options' MIP is not. Raises ``InfeasibleError`` when the other constraints conflict.
+
+        The option that recomputes the most ops goes first, and each gets an even share of the time left
+        (one that finishes early leaves its time to the rest): the least peak is nearly always the
+        most recompute's, and one option's search must not spend the others' time."""
+        end = time.perf_counter() + _SMALLEST_PEAK_S
         least = None
-        for option in (NO_RECOMPUTE, *recompute.OPTIONS) if self.peak.layers else (NO_RECOMPUTE,):
+        ops = dict.fromkeys(recompute.OPTIONS, 0)
+        for (_, option), tagged in self.peak.tagged.items():
+            ops[option] += len(tagged)
+        options = (*sorted((o for o in ops if ops[o]), key=lambda o: -ops[o]), NO_RECOMPUTE)
+        for i, option in enumerate(options):
+            deadline = time.perf_counter() + (end - time.perf_counter()) / (len(options) - i)
             pins = {**dict.fromkeys(self.peak.layers, option), **request.recompute}
             peak = self._smallest_peak(dataclasses.replace(request, recompute=pins), cost_model, steps, deadline)
             if peak is not None:

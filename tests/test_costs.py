@@ -295,6 +295,24 @@ def test_a_move_holds_its_result_and_the_buffers_around_its_collectives(model):
     assert model.redistribute_peak_bytes((R, R), (R, Shard(0)), m) == full // 8
 
 
+def test_a_move_that_frees_its_source_holds_it_only_beside_its_first_primitive(model):
+    """A gradient's reduction is the last reader of the gradient as made (``consumed``): the source
+    is freed once the first primitive has read it, so the bytes beyond the source's are that
+    primitive's output, or the later buffers less the source where those are more."""
+    m, full = meta(4096, 14336), 4096 * 14336 * 2
+    assert model.redistribute_peak_bytes((R, P), (R, Shard(0)), m, consumed=True) == full // 8
+    # the re-laid copy beside the source, then the reduce-scatter's result beside the copy
+    assert model.redistribute_peak_bytes((R, P), (R, Shard(1)), m, consumed=True) == full
+    # LLaMA's embedding gradient on 16x8: a local slice, its re-laid copy and a reduce-scatter; the
+    # copy is made once the source is gone
+    assert model.redistribute_peak_bytes((R, P), (Shard(1), Shard(1)), m) == full // 16 + full // 16
+    assert model.redistribute_peak_bytes((R, P), (Shard(1), Shard(1)), m, consumed=True) == full // 16
+    # tp gather, then dp gather: the source is gone when the second runs
+    gathers = model.redistribute_peak_bytes((Shard(0), Shard(0)), (R, R), m, consumed=True)
+    assert gathers == full // 16 + full - full // 128
+    assert model.redistribute_peak_bytes((R, Shard(0)), (R, Shard(0)), m, consumed=True) == 0
+
+
 # ---- collective algorithms and topology ------------------------------------------------------
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
