@@ -199,6 +199,7 @@ class AutoParallel:
             self.traced = trace_joint(
                 self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
             )
+            recompute.fold_checkpoints(self.traced.gm.graph)
             ta = time.perf_counter()
             unusable = _unusable_mesh_dims(self.traced, self.mesh)
             if unusable:
@@ -336,8 +337,10 @@ class AutoParallel:
 
     def add_recompute_constraint(self, layers: str, option: str) -> None:
         """Fix the recompute choice of the layers matching ``layers`` (a glob over layer instances,
-        e.g. ``"layers.*"``): ``"full"``, ``"selective"`` or ``"none"`` (never recompute). Without it
-        the planner recomputes only where a ``bytes_per_device`` cap needs it."""
+        e.g. ``"layers.*"``): ``"full"``, ``"selective"``, ``"checkpoint"`` (what the model's own
+        ``torch.utils.checkpoint`` calls recompute) or ``"none"`` (never recompute). Without it the
+        planner keeps the model's own checkpointing, and under a ``bytes_per_device`` cap chooses
+        every layer's option itself (the model's checkpointing among them)."""
         if option not in (*recompute.OPTIONS, NO_RECOMPUTE):
             choices = ", ".join((*recompute.OPTIONS, NO_RECOMPUTE))
             raise ConstraintError(f"recompute constraint {layers!r}: unknown option {option!r}; choose from {choices}")
@@ -349,7 +352,22 @@ class AutoParallel:
                 f"recompute constraint {layers!r} matches no layer that can recompute (layers: {known}, ...;"
                 " layers with random ops cannot)"
             )
+        if option == "checkpoint":
+            own = set(recompute.checkpointed_layers(self.traced.gm.graph))
+            if missing := [layer for layer in matched if layer not in own]:
+                raise ConstraintError(
+                    f"recompute constraint {layers!r}: {missing[0]} checkpoints nothing itself (layers that do:"
+                    f" {', '.join(sorted(own)) or 'none'})"
+                )
         self._recompute.update(dict.fromkeys(matched, option))
+
+    def _recompute_pins(self) -> dict[str, str]:
+        """The user's recompute constraints over the model's own checkpointing, which is kept unless a
+        ``bytes_per_device`` cap lets the planner choose (it drops it where the cap allows)."""
+        if self._peak_budget is not None:
+            return dict(self._recompute)
+        own = recompute.checkpointed_layers(self._require_traced().gm.graph)
+        return {**dict.fromkeys(own, "checkpoint"), **self._recompute}
 
     def remove_recompute_constraint(self) -> None:
         self._recompute = {}
@@ -540,7 +558,7 @@ class AutoParallel:
             outputs=self._output_placements(),
             param_budget=self._param_budget,
             peak_budget=self._peak_budget,
-            recompute=dict(self._recompute),
+            recompute=self._recompute_pins(),
             start=start,
         )
         return self._planner().plan(request, self.timings)

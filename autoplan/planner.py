@@ -541,7 +541,7 @@ class Planner:
             timings=timings,
             layer_classes=[list(c) for c in clustering.classes],
             recompute=dict(sorted(choice.items(), key=lambda kv: _layer_key(kv[0]))),
-            checkpointed=tg.checkpointed(),
+            checkpointed=tg.checkpointed(rerun),
             overlap_budget=budget,
             signature=mismatch.signature(tg),
         )

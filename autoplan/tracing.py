@@ -39,6 +39,7 @@ from autoplan.trace_errors import named_failures
 aten = torch.ops.aten
 PHASE_KEY = "autoplan_phase"
 RERUN_KEY = "autoplan_rerun"  # a forward op the model's own checkpointing runs again in the backward
+CHECKPOINT_KEY = "autoplan_checkpointed"  # a forward op it recomputes, its copy folded (``recompute``)
 _BACKWARD = "autoplan_backward"  # in the tracer's current meta while the backward is traced
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,14 @@ class TracedGraph:
     def output_node(self) -> fx.Node:
         return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
 
-    def checkpointed(self) -> dict[str, int]:
-        """Module path -> forward ops the model's own checkpointing runs again in the backward."""
+    def checkpointed(self, recomputed: frozenset[fx.Node] = frozenset()) -> dict[str, int]:
+        """Module path -> forward ops the model's own checkpointing runs again in the backward: the
+        copies traced as they are, and the folded ones (``CHECKPOINT_KEY``) among ``recomputed``
+        (their aliases aside)."""
         counts: dict[str, int] = {}
         for n in self.gm.graph.nodes:
-            if n.meta.get(RERUN_KEY):
+            folded = n.meta.get(CHECKPOINT_KEY) and n in recomputed and n.target is not torch.ops.aten.alias.default
+            if n.meta.get(RERUN_KEY) or folded:
                 counts[n.meta[PATH_KEY]] = counts.get(n.meta[PATH_KEY], 0) + 1
         return dict(sorted(counts.items()))
 

@@ -2,6 +2,8 @@
 for two AdamW steps on 8 simulated ranks (``LocalTensorMode``) and checked against the same model on
 one device: the losses, every parameter's gradient and every buffer the step writes."""
 
+import math
+
 import pytest
 import torch
 from conftest import fake_mesh
@@ -12,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from autoplan import AutoParallel, Plan
 
-RANKS, STEPS = 8, 2
+STEPS = 2
 R, S0 = Replicate(), Shard(0)
 IO = (S0, R)
 aten = torch.ops.aten
@@ -24,9 +26,10 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).square().mean()
 
 
-def run_both(build, batches, targets, constrain=lambda ap: None):
-    """Two AdamW steps of ``build()`` on one device and of its plan on 8 simulated ranks.
-    Returns the plan, the lowered graph's collectives and what differs (an empty list when all match)."""
+def run_both(build, batches, targets, constrain=lambda ap: None, shape=(2, 4)):
+    """Two AdamW steps of ``build()`` on one device and of its plan on a simulated mesh of ``shape``
+    (inputs and outputs split on the batch over its first dim). Returns the plan, the lowered
+    graph's collectives and what differs (an empty list when all match)."""
     torch.manual_seed(0)
     ref = build()
     state = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -41,33 +44,34 @@ def run_both(build, batches, targets, constrain=lambda ap: None):
         opt.step()
         opt.zero_grad()
 
-    mesh = fake_mesh((2, 4))
+    mesh, io, ranks = fake_mesh(shape), (S0, *[R] * (len(shape) - 1)), math.prod(shape)
     with torch.device("meta"):
         model = build()
     with AutoParallel(model, mesh, lambda: torch.randn(batches[0].shape)) as ap:
-        ap.add_input_constraints([IO])
-        ap.add_output_constraints([IO])
+        ap.add_input_constraints([io])
+        ap.add_output_constraints([io])
         constrain(ap)
         plan = ap.optimize_placement()
         pmod = ap.apply_placement(plan)
     differ = []
-    with LocalTensorMode(RANKS):
+    with LocalTensorMode(ranks):
         pmod.to_empty(device="cpu")
         pmod.load_state_dict(state)
         opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
         for step, (x, y) in enumerate(zip(batches, targets)):
-            out = DTensor.from_local(pmod(distribute_tensor(x, mesh, IO).to_local()), mesh, IO, run_check=False)
-            loss = _loss(out, distribute_tensor(y, mesh, IO))
+            out = DTensor.from_local(pmod(distribute_tensor(x, mesh, io).to_local()), mesh, io, run_check=False)
+            loss = _loss(out, distribute_tensor(y, mesh, io))
             loss.backward()
-            if not close(one_value(loss), ref_losses[step]):
+            if not close(one_value(loss, ranks), ref_losses[step]):
                 differ.append(f"loss {step}")
             if step == 0:
-                differ += [n for n, p in pmod.named_parameters() if not close(one_value(p.grad), ref_grads[n])]
+                grads = [(n, one_value(p.grad, ranks)) for n, p in pmod.named_parameters()]
+                differ += [n for n, g in grads if not close(g, ref_grads[n])]
             opt.step()
             opt.zero_grad()
         for name, b in pmod.named_buffers():
             want = ref.get_buffer(name)
-            got = one_value(b)
+            got = one_value(b, ranks)
             if not (torch.equal(got, want) if not want.is_floating_point() else close(got, want)):
                 differ.append(f"buffer {name}")
     return plan, ap.lowered.collective_counts(), differ
@@ -147,6 +151,44 @@ def test_checkpointed_closures_and_a_custom_autograd_function_match_one_device()
     assert {f"layers.{i}.0" for i in range(3)} <= set(plan.checkpointed)
     assert "the model's own checkpointing reruns" in plan.summary()
     assert Plan.from_json(plan.to_json()).checkpointed == plan.checkpointed
+
+
+def test_the_models_own_checkpointing_is_kept_unless_a_cap_lets_the_planner_drop_it():
+    """Uncapped, the layers' own checkpointing is the ``checkpoint`` recompute option, pinned. Under a
+    cap the planner chooses: with room for the least peak of a plan that saves every value it drops
+    the recomputation (a faster step, run as one device runs it), and below that peak it recomputes
+    again. On a 4-way mesh; the batch (512 rows) makes the activations outweigh the parameters."""
+    from autoplan.errors import InfeasiblePlanError
+
+    with torch.device("meta"):
+        model = CheckpointedMLP()
+    with AutoParallel(model, fake_mesh((4,)), lambda: torch.randn(512, 32)) as ap:
+        ap.add_input_constraints([(S0,)])
+        ap.add_output_constraints([(S0,)])
+        kept = ap.optimize_placement()
+        ap.add_recompute_constraint("layers.*", "none")
+        saved = ap.optimize_placement()
+        ap.add_memory_constraint(bytes_per_device=1)
+        with pytest.raises(InfeasiblePlanError) as info:
+            ap.optimize_placement()
+        least_saving_all = info.value.smallest_peak_bytes
+        ap.remove_recompute_constraint()
+        ap.add_memory_constraint(bytes_per_device=least_saving_all * 0.99)
+        tight = ap.optimize_placement()
+    assert kept.recompute == {f"layers.{i}": "checkpoint" for i in range(3)}
+    assert "the model's own checkpointing reruns" in kept.summary() and kept.cost.recompute > 0
+    assert not saved.recompute and not saved.checkpointed and saved.cost.total < kept.cost.total
+    assert tight.recompute and tight.memory.peak_bytes <= least_saving_all * 0.99
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(512, 32, generator=g) for _ in range(STEPS)]
+    targets = [torch.randn(512, 32, generator=g) for _ in range(STEPS)]
+    roomy = least_saving_all * 1.01
+    dropped, _, differ = run_both(
+        CheckpointedMLP, batches, targets, lambda ap: ap.add_memory_constraint(bytes_per_device=roomy), (4,)
+    )
+    assert not differ, differ
+    assert not dropped.recompute and not dropped.checkpointed and "checkpointing" not in dropped.summary()
 
 
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["exponential", "cumulative"])

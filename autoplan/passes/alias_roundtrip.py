@@ -23,7 +23,7 @@ from autoplan.costs import CostModel
 from autoplan.evaluate import reprice
 from autoplan.plan import Plan
 from autoplan.strategies import Placements, tensor_inputs
-from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph
+from autoplan.tracing import CHECKPOINT_KEY, PATH_KEY, PHASE_KEY, TracedGraph
 
 ALIAS = torch.ops.aten.alias.default
 ALIAS_KEY = "autoplan_alias"  # set on the aliases ``insert_aliases`` adds
@@ -92,6 +92,8 @@ def insert_aliases(tg: TracedGraph) -> AliasStats:
         forward = any(u.meta.get(PHASE_KEY) == "forward" for u in readers)
         alias.meta[PHASE_KEY] = "forward" if forward else "backward"
         alias.meta[ALIAS_KEY] = True
+        if CHECKPOINT_KEY in node.meta:  # a view of what the model checkpoints is recomputed with it
+            alias.meta[CHECKPOINT_KEY] = node.meta[CHECKPOINT_KEY]
         for u in readers:
             u.replace_input_with(node, alias)
         inserted += 1
