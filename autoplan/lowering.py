@@ -143,6 +143,23 @@ def _gpu_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
 
 
+def _bias_grad(values: dict, lse: torch.Tensor) -> torch.Tensor:
+    """The gradient of an additive attention bias: the scores' gradient, from the probabilities
+    the forward's logsumexp gives back (``dS = P * (dO V^T - rowsum(dO * O))``), summed to the
+    bias's shape where it broadcasts. On dense copies (a clone, which the trace records where a
+    no-op ``contiguous`` would not): the matmuls trace to views of their inputs, which must hold for
+    whatever strides the shards have when the program runs."""
+    q, k, v, grad_out = (
+        values[r].float().clone(memory_format=torch.contiguous_format) for r in ("query", "key", "value", "grad_out")
+    )
+    scale = values.get("scale") or q.shape[-1] ** -0.5
+    scores = q @ k.transpose(-2, -1) * scale + values["bias"].float()  # SDPA takes a bias or is_causal
+    probs = torch.exp(scores - lse.float().unsqueeze(-1))
+    delta = (grad_out * values["out"].float()).sum(-1, keepdim=True)
+    grad = probs * (grad_out @ v.transpose(-2, -1) - delta)
+    return grad.sum_to_size(values["bias"].shape).to(values["bias"].dtype)
+
+
 def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: DeviceMesh, outputs: tuple) -> tuple:
     """A GPU attention kernel computed by its CPU twin on the local shards, in the GPU kernel's output
     layout. The values only a GPU makes (RNG state, seeds, debug masks) are zeros that nothing reads:
@@ -154,11 +171,11 @@ def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: De
     common = {r: values[r] for r in ("query", "key", "value", "is_causal", "scale")}
     common |= {"bias": values.get("bias"), "dropout_p": 0.0}
     if spec.backward:
-        mask = values.get("grad_input_mask")
-        if mask is not None and mask[3]:
-            raise LoweringError(f"{where}: the CPU kernel has no gradient for an attention bias")
         lse = _host_lse(values["lse"], values["query"].shape[2])
-        grads = twin.call({**common, "grad_out": values["grad_out"], "out": values["out"], "lse": lse})
+        grads = list(twin.call({**common, "grad_out": values["grad_out"], "out": values["out"], "lse": lse}))
+        mask = values.get("grad_input_mask")
+        if mask is not None and mask[3]:  # the CPU kernel has no gradient for a bias
+            grads.append(_bias_grad(values, lse))
         grads = [_gpu_layout(g, like) for g, like in zip(grads, node.meta["val"])]
         return (*grads, *(None for _ in spec.output_roles[len(grads) :]))
     vals = node.meta["val"]

@@ -87,10 +87,18 @@ class WeightNormMLP(nn.Module):
 
 class SelfAttention(nn.Module):
     """Self-attention on (batch, seq, dim) with grouped-query keys/values (``enable_gqa``), causal or
-    not, optionally under a sliding-window boolean mask (a buffer) when ``window`` is given."""
+    not, optionally under a sliding-window boolean mask (a buffer) when ``window`` is given, or with
+    a learned additive bias per head and position pair (T5's position bias) when ``learned_bias``."""
 
     def __init__(
-        self, dim: int = 64, heads: int = 8, kv_heads: int = 4, seq: int = 32, causal: bool = True, window=None
+        self,
+        dim: int = 64,
+        heads: int = 8,
+        kv_heads: int = 4,
+        seq: int = 32,
+        causal: bool = True,
+        window=None,
+        learned_bias: bool = False,
     ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.causal = heads, kv_heads, dim // heads, causal
@@ -100,13 +108,15 @@ class SelfAttention(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
         pos = torch.arange(seq)
         self.register_buffer("mask", None if window is None else (pos[:, None] - pos[None, :]).abs() < window)
+        self.bias = nn.Parameter(torch.randn(heads, seq, seq) * 0.5) if learned_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True)
+        mask = self.mask if self.bias is None else self.bias
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

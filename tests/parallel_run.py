@@ -69,6 +69,10 @@ def make(name: str, batch_rows: int = 4):
         masked = name == "attention_masked"
         build = lambda: SelfAttention(causal=not masked, window=8 if masked else None)  # noqa: E731
         return build, (lambda g: torch.randn(batch_rows, 32, 64, generator=g))
+    if name == "attention_bias":  # a learned bias per head and position pair, as T5's
+        return (lambda: SelfAttention(causal=False, learned_bias=True)), (
+            lambda g: torch.randn(batch_rows, 32, 64, generator=g)
+        )
     raise ValueError(name)
 
 

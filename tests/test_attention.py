@@ -308,6 +308,16 @@ def test_query_sequence_parallel_masked_attention_matches_single_device():
     assert r["lowered"].get("all_reduce", 0) + r["lowered"].get("reduce_scatter", 0) > 0
 
 
+def test_learned_attention_bias_gets_its_gradient_on_a_cpu_mesh():
+    """A learned bias per head and position pair (T5's position bias) traced to the memory-efficient
+    kernel: on a CPU mesh its twin has no gradient for the bias, which the lowering computes from
+    the logsumexp the forward saved. Loss and every gradient, the bias's included, match one device."""
+    r = _run_on_ranks("attention_bias", [], "efficient")
+    check_run(r)
+    bwd = next(n for n in r["plan"].nodes.values() if n.op == str(backward_op("efficient")))
+    assert bwd.outputs[3] is not None  # the kernel's bias gradient is part of the step
+
+
 def test_math_option_reads_a_boolean_mask_as_sdpa_does():
     """The decomposed math kernel adds its mask: a boolean sliding window must reach it as a bias
     (0 / -inf), as ``F.scaled_dot_product_attention`` converts it, or the step is silently wrong."""
