@@ -1,12 +1,12 @@
 """A lower bound on a placement ILP without solving its LP, to certify a start that cannot be beaten.
 
-A boundary re-solve starts from the main plan, which is usually already its best: on LLaMA-3 8B's
-(8, 4, 4) mesh its LP (~10 s) only proves the start within 0.01%. Any row multipliers give a
-Lagrangian bound (``solvers.bound``); these are found from the model's structure instead:
+A boundary re-solve starts from the main plan, which is usually already its best, and on a 3-D mesh
+its LP is slow to prove that. Any row multipliers give a Lagrangian bound (``solvers.bound``);
+these are found from the model's structure instead:
 
 - columns no integer point can use (off a pin, too heavy for the parameter budget) are held at 0
-  first (``solvers.bound.tightened``), so those rows need no multiplier (without it the bound sat
-  12.6% under the start on LLaMA-3 8B's 16x8 re-solves);
+  first (``solvers.bound.tightened``), so those rows need no multiplier (the bound is far weaker
+  without it);
 - each overlap row takes the multiplier complementary slackness gives it at the start (0 where
   the start hides its whole budget with hideable seconds to spare, the objective's weight where
   it hides all it can);
@@ -15,14 +15,9 @@ Lagrangian bound (``solvers.bound``); these are found from the model's structure
   units (MPLP's edge step, Globerson and Jaakkola, NIPS 2007), which never lowers the bound.
 
 Groups touching no common unit commute, so a sweep runs as batches of such groups, each one
-vector step: a greedy edge colouring of the groups in their order, the same every sweep. On
-LLaMA-3 8B's 8x4x4 re-solves that is 9 batches for 326 groups. Batched by level instead (each
-group one past the last earlier group sharing a unit with it, the sweep in order bit for bit)
-took 130-160 batches, and layers.0 needed 170 sweeps (1.1-1.25 s). The colouring needed 100
-with every other sweep coloured in reverse order, and needs 75-80 without: alternating, or
-reversing the batches' order, slowed every re-solve tried (8B 8x4x4 and 70B 16x8x8, layers.0
-and the last layer), as did colouring by unit order or degree. Twenty to eighty sweeps take the
-bound within the 1% gap of the start where its LP takes 9-10 s.
+vector step: a greedy edge colouring of the groups in their order, the same every sweep. It gives
+few, large batches, and a fixed order, which converges in fewer sweeps than the orders that
+alternate or sort the groups.
 """
 
 from __future__ import annotations
@@ -44,16 +39,13 @@ from solvers.result import relative_gap
 # ascent stops when a check certifies the start, gains less than ``_STALL`` of the objective, or
 # its gains, shrinking as they do, cannot add up to the rest of the gap. After ``_SETTLE`` sweeps
 # the projection is their geometric sum at the last check's ratio, times ``_REACH``: the gains
-# shrink fast at first and then slowly (by 10-20% a check, then ~5%, on LLaMA-3 8B's 8x4x4 and 70B's
-# 16x8x8 layers.0 re-solves, certified at ~170 and ~210 sweeps from bounds 20% and 6% under their
-# starts), so a short window underestimates what is left (at twice it, 70B gave up at 70 sweeps).
+# shrink fast at first and then slowly, so a short window underestimates what is left.
 MAX_SWEEPS = 400
 _CHECK = 5
 _STALL = 1e-5
 _SETTLE = 50
 _REACH = 4.0
-# Sweeps of a guess without a start (``dual_guess``): on LLaMA-3 8B's 8x4x4 ILP, 50 take the bound
-# from 24% to 15% under the LP in 0.3 s, and 150 only to 14%.
+# Sweeps of a guess without a start (``dual_guess``): past the first few dozen, sweeps gain little.
 GUESS_SWEEPS = 50
 _CAP = 1e9  # a multiplier's largest magnitude (microseconds): a label no pair can take is priced out
 

@@ -356,8 +356,8 @@ class CostModel:
         """What a move's primitives depend on: its steps (numbered), the tensor dims its source
         splits and the tensor (``_key``'s tensor part). Pairs that take the same steps from sources
         split alike (e.g. differing only in a Partial or Replicate on a mesh dim no step touches)
-        move alike: of the ~126 K (pair, tensor) moves a 3-D mesh prices, ~42% repeat another's.
-        Also the steps themselves."""
+        move alike, and on a 3-D mesh many of its (pair, tensor) moves repeat another's. Also the
+        steps themselves."""
         number, steps = self._steps(src, dst, meta, key)
         return (number, self._split_of[key[0]], *key[2:]), steps
 

@@ -188,8 +188,8 @@ def alternatives(
     the step would change by, overlap included (a move that hides under its layer's ``budget``
     costs only what spills over). This is the local view ``explain`` needs (why this node, given its
     neighbours); pins and the memory budget are not applied to the alternatives. Identical layers
-    are priced once, and a node's strategies all at once: each edge's moves as one cost row
-    (hundreds of strategies a node on a 3-D mesh, priced one by one, took seconds)."""
+    are priced once, and a node's strategies all at once: each edge's moves as one cost row (a
+    node has hundreds of strategies on a 3-D mesh)."""
     hiding = overlap.Hiding.of(tg)
     # each move with its segment and the tensor it moves (its meta made once per value: a stride is a call)
     touching: dict[fx.Node, list[tuple[_Edge, str | None, TensorMeta]]] = defaultdict(list)

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 def collector_paused() -> Iterator[None]:
     """The cyclic collector off for the block, and as it was after. Tracing and planning allocate
     millions of objects that outlive them (graph nodes, strategies, cost tables), and every full
-    collection walks them all: on LLaMA-3 8B, 12 full collections took 1.8 s of a 24 s plan on
-    8x4x4, and 8 took 0.9 s of 7.4 s on 16x8. Reference counting still frees whatever is not in
-    a cycle; the collector deals with the rest once it runs again."""
+    collection walks them all, a large share of a plan's time on a big model. Reference counting
+    still frees whatever is not in a cycle; the collector deals with the rest once it runs again."""
     was = gc.isenabled()
     gc.disable()
     try:

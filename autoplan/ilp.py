@@ -39,8 +39,7 @@ _TRIAL_S = 10.0
 _SEED_S = 90.0
 POLISH_S = 30.0
 # Rows above which a re-solve first tries ``autoplan.certify``'s bound on its start: below, its own
-# LP is the cheaper proof (8B on 16x8: 6.4 K rows, the LP ~0.3 s, the ascent 0.4-0.5 s); above, the
-# dual simplex grows fast (8B on 8x4x4: 24 K rows, 9-10 s) while the ascent stays under 0.5 s.
+# LP is the cheaper proof; above, the dual simplex's time grows much faster than the ascent's.
 CERTIFY_MIN_ROWS = 10_000
 # HiGHS's threads, fixed so that a plan does not depend on the planning host's core count
 SOLVER_THREADS = 2

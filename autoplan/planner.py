@@ -456,10 +456,8 @@ class Planner:
             except (SolverTimeoutError, InfeasibleError):  # the group's own bounds may not meet a cap
                 return None
 
-        # One group after another, each against the plan the last one left. They were solved at
-        # once in threads, for the ~9 s LP of a 3-D re-solve whose start the certificate misses;
-        # but the certificates are Python and numpy, and two of them at once on 2 cores took 4.1-4.7 s
-        # where one after the other took 2.5-3.4 s (LLaMA-3 8B on 8x4x4, every start certified).
+        # One group after another, each against the plan the last one left: the certificates are
+        # Python and numpy, which threads do not run side by side.
         for group in self.clustering.boundary:
             outcome = refine(group, clustering, chosen, steps)
             if outcome is None:

@@ -1,9 +1,8 @@
 """Trace a deep stack of identical layers as a short one, then stamp the other layers' copies.
 
-Tracing costs about half a millisecond per ATen op: LLaMA-3 70B's 80 layers took 12 s, most of its
-plan. Layers of one stack that run the same ATen program on their own parameters leave the same
-fragment in the joint graph, so the stack is traced with two layers and that fragment is copied
-(70B: 3.3 s, of which ~1.5 s is the forward recording below).
+Tracing costs about half a millisecond per ATen op, most of a deep model's plan. Layers of one stack
+that run the same ATen program on their own parameters leave the same fragment in the joint graph,
+so the stack is traced with two layers and that fragment is copied.
 
 Only where it is proven, else every layer is traced:
 - a recording of the full model's forward shows every layer of the stack running the same ops,

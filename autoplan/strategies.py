@@ -308,8 +308,8 @@ class StrategyBuilder:
 
     def for_op(self, node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> NodeStrategies:
         """``_for_op``, once per op, arguments and input choices: a layer's two norms, its gate and
-        up projections and their backward ops ask alike (107 of 346 ops of LLaMA-3 8B, 0.5 s of
-        2.5 s on a 3-D mesh). Each node gets its own tuple of the shared strategies: per-tuple
+        up projections and their backward ops ask alike (about a third of a LLaMA layer's ops).
+        Each node gets its own tuple of the shared strategies: per-tuple
         caches (``CostModel.derived``) count on a tuple naming one layer's node."""
         key = _op_key(node, choices)
         if key is None:

@@ -30,26 +30,19 @@ Backend = Callable[[LinearModel, bool, SolverOptions], RawSolution]
 
 _BACKENDS: dict[str, Backend] = {"highs": solve_highs, "cbc": solve_cbc}
 INTEGRALITY_TOL = 1e-6
-# the column-row-column steps a neighbourhood MIP reaches out from the LP's fractional columns. On
-# 8B's 8x4x4 ILP (with collectives priced on the bytes they send) the LP leaves one unit fractional
-# and the plan within 1% of its bound differs from the rounding in 8 units: 4 steps reach 2 of
-# them (1.35% above the bound), 6 steps 7 (0.62%, in 3 s, as the whole MIP finds in 80 s).
+# the column-row-column steps a neighbourhood MIP reaches out from the LP's fractional columns,
+# tried in turn: the units where a near-optimal plan differs from the LP's rounding sit a few steps
+# from the fractional ones, and each wider neighbourhood finds more of them at a higher cost.
 NEIGHBOURHOOD_HOPS = (2, 4, 6)
 # The largest share of the integer columns a neighbourhood MIP leaves free: a wider one costs about
-# what the whole MIP does, which then runs on top. 8B's 8x4x4 neighbourhoods free at most 14%; a
-# 1-layer LLaMA pinned to TP (2,160 binaries, rounding 1.7% above its LP) freed 10%, 49%, 56% and
-# 66%, the last three 5-7 s each to find the rounding's plan again, before the whole MIP's 11 s.
+# what the whole MIP does, which then runs on top.
 NEIGHBOURHOOD_MAX_FREE = 0.25
 # A step goes only through rows of at most this many times the mean row's entries: a dense row (a
 # layer's overlap budget, a memory cap) ties every column of a layer together, and stepping through
-# it frees the whole layer at once. On 8B's 8x4x4 ILP 4 steps free 2,696 integer columns through
-# them and 1,359 without, whose MIP is as good for the gap: 0.46% above the bound in 3.0 s, against
-# 0.37% in 5.8 s.
+# it frees the whole layer at once, a larger MIP that finds no better plan.
 DENSE_ROW = 10
 # A screened solve's first limit: the screen's bound plus this fraction of it. A guess: once the
 # solve finds a point under it the screen was sound; above it, the point found is the next limit.
-# LLaMA-3 8B's 8x4x4 ILP: 50 sweeps of ``autoplan.certify``'s ascent bound it 14.7% under its LP
-# (0.3 s), the screen keeps 178 K of 412 K columns and the LP on them takes 3.9 s instead of 10-12 s.
 SCREEN_MARGIN = 0.25
 
 
@@ -200,8 +193,7 @@ def _point_with(
 ) -> tuple[np.ndarray, float] | None:
     """Fix ``columns`` to ``values`` and solve for the rest (a MIP if integer columns stay free):
     a feasible point and its objective, or ``None``. Without probing: on these small MIPs HiGHS
-    spends most of its time probing binaries in presolve (LLaMA-3 8B's 8x4x4 neighbourhoods, 121 to
-    1,411 binaries: 0.34, 1.23 and 2.63 s with it, 0.10-0.12, 0.19-0.20 and 0.70-0.97 s without, the same plans)."""
+    would spend most of its time probing binaries in presolve, for the same plans."""
     sub, full, free = model.restricted(columns, np.round(values))
     raw = run(sub, sub.n_integer > 0, replace(opts, probing=False))
     if raw.x is not None:
@@ -351,8 +343,7 @@ def solve(
                 if found is not None:
                     return found
     if lp_first or model.n_integer == 0:
-        # the relaxation without presolve: on placement LPs HiGHS's presolve costs more than it
-        # saves (LLaMA-3 8B on 8x4x4: 24.3 s with it, 15.0 s without; on 16x8: 0.40 s, 0.30 s)
+        # the relaxation without presolve: on placement LPs HiGHS's presolve costs more than it saves
         lp = run(model, False, replace(_remaining(opts, started), presolve=False))
         passes.append(lp)
         if lp.status is SolveStatus.OPTIMAL and _is_integral(model, lp.x):
@@ -370,8 +361,8 @@ def solve(
                 return _result(model, name, passes, _within(gap), *best, lp_bound)
             # integer points to complete, cheapest tries first: the rounded LP, the given start, then
             # small MIPs over the columns the LP left fractional and those within a few rows of
-            # them, the others fixed at their LP value (on 8B's 8x4x4 ILP: 4 fractional columns,
-            # rounding 2.75% above the bound, 4 steps around them 0.38% in 5.7 s, the whole MIP 104 s)
+            # them, the others fixed at their LP value (far cheaper than the whole MIP, and on
+            # placement ILPs they find plans as good)
             settled = model.integer & (np.abs(lp.x - np.round(lp.x)) <= INTEGRALITY_TOL)
             given = [start] if start is not None and best is None else []  # else completed above
             rounded = [rounding(lp.x)] if rounding is not None else []

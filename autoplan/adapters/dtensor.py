@@ -75,7 +75,7 @@ def redistribute_transitions(
 
     Where DTensor takes its greedy search (``shape_free``), the steps are worked out here from the
     placements alone (``_greedy``): asking DTensor builds two specs and their logical shapes per
-    pair, ~0.1 ms, and a 3-D mesh prices ~27 K pairs. Elsewhere DTensor is asked."""
+    pair, and a 3-D mesh prices tens of thousands of pairs. Elsewhere DTensor is asked."""
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return ()
