@@ -42,6 +42,7 @@ from autoplan.strategies import (
 )
 from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 from autoplan.uneven import fsdp_bytes
+from solvers import SolveOptions
 
 log = logging.getLogger(__name__)  # under "autoplan": the command's --verbose shows it
 
@@ -174,11 +175,9 @@ class AutoParallel:
         self.strict = strict
         self.cluster_layers = cluster_layers
         self.merge_followers = merge_followers
-        self.solver_backend = solver_backend
-        self.time_limit = time_limit
         if not 0.0 <= mip_rel_gap < 1.0:
             raise ConstraintError(f"mip_rel_gap={mip_rel_gap!r} must be a fraction in [0, 1), e.g. 0.01 for 1%")
-        self.mip_rel_gap = mip_rel_gap
+        self.solve_options = SolveOptions(backend=solver_backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
         self._inputs: dict[int, tuple[str, Placements]] = {}  # graph input -> (how the user named it, placements)
         self._outputs: dict[int, Placements] = {}
         self._pins: list[Pin] = []
@@ -527,17 +526,15 @@ class AutoParallel:
 
     def _planner(self) -> Planner:
         """The planner for this trace and these settings; rebuilt when a setting it reads changed."""
-        # in the order of Planner's fields after the mesh
-        key = (
-            self.device_profile,
-            self.optimizer,
-            self.solver_backend,
-            self.time_limit,
-            self.mip_rel_gap,
-            self.merge_followers,
-        )
+        settings = {
+            "device_profile": self.device_profile,
+            "optimizer": self.optimizer,
+            "solve_options": self.solve_options,
+            "merge_followers": self.merge_followers,
+        }
+        key = tuple(settings.values())
         if self._planner_for != key:
-            self._planner_obj = Planner(self.traced, self.clustering, self.strategies, self.mesh, *key)
+            self._planner_obj = Planner(self.traced, self.clustering, self.strategies, self.mesh, **settings)
             self._planner_for = key
         return self._planner_obj
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch.fx as fx
@@ -22,7 +22,7 @@ import torch.fx as fx
 from autoplan.certify import Layout, certifier, dual_guess
 from autoplan.problem import Linear, PlacementProblem
 from autoplan.strategies import Strategy
-from solvers import InfeasibleError, ModelBuilder, Screen, SolveResult, SolverTimeoutError, solve
+from solvers import InfeasibleError, ModelBuilder, Screen, SolveOptions, SolveResult, SolverTimeoutError, solve
 
 # The solver sees microseconds: step costs in seconds (~1e-5 per op) would sit at the level of
 # HiGHS's absolute tolerances and ties would be broken by noise.
@@ -32,12 +32,13 @@ SCALE = 1e6
 MIB = 2.0**-20
 # Microseconds added per placement change: far below any real cost, it breaks ties toward fewer changes.
 TIE_BREAK = 1e-3
-# Seeding a peak-capped solve (``_seed``): seconds per trial solve, for all trials, and for the
-# full MIP that improves the seed (its LP bound is weak under a tight cap: proving the gap can take
-# many minutes, while the seed is rarely improved by more than a few percent).
+# Seeding a peak-capped solve (``_seed``): seconds per trial solve, for all trials, and by default
+# for the full MIP that improves the seed (``SolveOptions.polish_s``: its LP bound is weak under a
+# tight cap, proving the gap can take many minutes, while the seed is rarely improved by more than
+# a few percent).
 _TRIAL_S = 10.0
 _SEED_S = 90.0
-POLISH_S = 30.0
+POLISH_S = SolveOptions.polish_s
 # Rows above which a re-solve first tries ``autoplan.certify``'s bound on its start: below, its own
 # LP is the cheaper proof; above, the dual simplex's time grows much faster than the ascent's.
 CERTIFY_MIN_ROWS = 10_000
@@ -316,39 +317,36 @@ def solve_placement(
     problem: PlacementProblem,
     fixed: list[FixedRows],
     budgets: list[BudgetRow],
-    time_limit: float | None = None,
-    backend: str = "highs",
-    mip_rel_gap: float = 1e-6,
+    opts: SolveOptions | None = None,
+    *,
     start: dict[fx.Node, Strategy] | None = None,
+    start_recompute: tuple[str, ...] = (),
     options: list[RecomputeVar] = (),
     smallest_peak: bool = False,
-    diagnose: bool = True,
-    start_recompute: tuple[str, ...] = (),
-    polish_s: float = POLISH_S,
-    seed_only: bool = False,
-    keep_start: bool = False,
 ) -> UnitChoice:
-    """The cheapest strategy per unit and recompute options; ``start`` (a strategy per unit, e.g. an
-    earlier plan's, with the options ``start_recompute`` on) seeds the search. Without a start and
-    with free options, a fixed-option trial's plan (``_seed``) is the start, and the full MIP gets
-    at most ``polish_s`` to improve on it (0: the trial's plan is returned as it is); when no trial
-    finds a plan, the full MIP searches, or with ``seed_only`` ``NoSeedError`` is raised. With
-    ``smallest_peak`` the peak rows' caps give way to one variable ``P`` the solve minimises
-    instead (step time only breaks ties): the least peak any plan reaches, in ``UnitChoice.peak``.
-    ``keep_start``: see ``solvers.solve``; on a large model (``CERTIFY_MIN_ROWS``) the start is
-    first offered to ``autoplan.certify``'s bound, which keeps it without the LP when it proves
-    it within ``mip_rel_gap``."""
+    """The cheapest strategy per unit and recompute options, solved under ``opts``; ``start`` (a
+    strategy per unit, e.g. an earlier plan's, with the options ``start_recompute`` on) seeds the
+    search. Without a start and with free options, a fixed-option trial's plan (``_seed``) is the
+    start, and the full MIP gets at most ``opts.polish_s`` to improve on it (0: the trial's plan is
+    returned as it is); when no trial finds a plan, the full MIP searches, or with
+    ``opts.seed_only`` ``NoSeedError`` is raised. With ``smallest_peak`` the peak rows' caps give
+    way to one variable ``P`` the solve minimises instead (step time only breaks ties): the least
+    peak any plan reaches, in ``UnitChoice.peak``. ``opts.keep_start``: see ``solvers.solve``; on a
+    large model (``CERTIFY_MIN_ROWS``) the start is first offered to ``autoplan.certify``'s bound,
+    which keeps it without the LP when it proves it within ``opts.mip_rel_gap``."""
+    opts = opts or SolveOptions()
+    time_limit = opts.time_limit
     weight = 1e-9 if smallest_peak else 1.0
     t0 = time.perf_counter()
     seeded = None
     if start is None and not smallest_peak and any(not o.pinned for o in options):
-        seeded = _seed(problem, fixed, budgets, time_limit, backend, mip_rel_gap, list(options))
-        if seeded is None and seed_only:
+        seeded = _seed(problem, fixed, budgets, opts, list(options))
+        if seeded is None and opts.seed_only:
             raise NoSeedError()
         if time_limit is not None:
             time_limit = time_limit - (time.perf_counter() - t0)
         if seeded is not None:
-            time_limit = polish_s if time_limit is None else min(time_limit, polish_s)
+            time_limit = opts.polish_s if time_limit is None else min(time_limit, opts.polish_s)
             if time_limit <= 0:  # every trial's seconds count as the solve's
                 return dataclasses.replace(seeded, solve_time=time.perf_counter() - t0 - seeded.build_time)
             start = {u: problem.strategies[u][i] for u, i in seeded.choice.items()}
@@ -400,7 +398,7 @@ def solve_placement(
     if seed is not None:
         seed[[col for o, col in zip(options, r) if o.name in start_recompute]] = 1.0
     large = model.n_rows > CERTIFY_MIN_ROWS
-    certified = keep_start and seed is not None and large
+    certified = opts.keep_start and seed is not None and large
     if certified:
         _complete(seed, problem, layout, model)
     screen = None
@@ -411,18 +409,17 @@ def solve_placement(
         screen = Screen(dual_guess(problem, layout, model) if seed is None else None, model.integer | pairs)
     result = solve(
         model,
-        backend=backend,
-        threads=SOLVER_THREADS,
-        time_limit=time_limit,
-        mip_rel_gap=mip_rel_gap,
+        replace(
+            opts,
+            time_limit=time_limit,
+            threads=SOLVER_THREADS if opts.threads is None else opts.threads,
+            verbose=log.isEnabledFor(logging.DEBUG),
+            log=log,
+        ),
         rounding=one_hot,
         start=seed,
-        diagnose=diagnose,
-        keep_start=keep_start,
-        certify=certifier(problem, layout, model, mip_rel_gap) if certified else None,
+        certify=certifier(problem, layout, model, opts.mip_rel_gap) if certified else None,
         screen=screen,
-        verbose=log.isEnabledFor(logging.DEBUG),
-        log=log,
     )
     t2 = time.perf_counter()
     x = result.x
@@ -448,9 +445,9 @@ def solve_placement(
     )
 
 
-def _with_options_on(problem, fixed, budgets, time_limit, backend, mip_rel_gap, options, on: set[int]):
+def _with_options_on(problem, fixed, budgets, opts: SolveOptions, options, on: set[int]):
     """The plan with the options ``on`` (and the pinned ones) forced and the others off, a
-    placement ILP as fast as one without recompute; ``None`` when none is found in ``time_limit``."""
+    placement ILP as fast as one without recompute; ``None`` when none is found in ``opts.time_limit``."""
     keep = [i for i, o in enumerate(options) if o.pinned or i in on]
     index = {old: new for new, old in enumerate(keep)}
     rows = [
@@ -459,12 +456,12 @@ def _with_options_on(problem, fixed, budgets, time_limit, backend, mip_rel_gap, 
     ]
     forced = [dataclasses.replace(options[i], pinned=True) for i in keep]
     try:
-        return solve_placement(problem, fixed, rows, time_limit, backend, mip_rel_gap, options=forced, diagnose=False)
+        return solve_placement(problem, fixed, rows, replace(opts, diagnose=False), options=forced)
     except (InfeasibleError, SolverTimeoutError):
         return None
 
 
-def _seed(problem, fixed, budgets, time_limit, backend, mip_rel_gap, options) -> UnitChoice | None:
+def _seed(problem, fixed, budgets, opts: SolveOptions, options) -> UnitChoice | None:
     """A good plan to start a peak-capped solve from (a feasible plan of the full problem).
 
     The recompute options' big-M rows make the MIP an order of magnitude slower, and its LP bound
@@ -474,13 +471,13 @@ def _seed(problem, fixed, budgets, time_limit, backend, mip_rel_gap, options) ->
     longest: recomputing an earlier layer frees as much at every step as a later one's), found
     by bisection; the cheapest of those. ``None`` when no trial finds a plan within ``_SEED_S``.
     """
-    deadline = time.perf_counter() + (_SEED_S if time_limit is None else min(time_limit, _SEED_S))
+    deadline = time.perf_counter() + (_SEED_S if opts.time_limit is None else min(opts.time_limit, _SEED_S))
 
     def trial(on: set[int]) -> UnitChoice | None:
         left = min(deadline - time.perf_counter(), _TRIAL_S)
         if left <= 0:
             return None
-        return _with_options_on(problem, fixed, budgets, left, backend, mip_rel_gap, options, on)
+        return _with_options_on(problem, fixed, budgets, replace(opts, time_limit=left), options, on)
 
     found = [trial(set())]
     if found[0] is None:

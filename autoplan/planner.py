@@ -38,7 +38,7 @@ from autoplan.problem import (
 )
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
-from solvers import OPTIMALITY_GAP, InfeasibleError, SolverTimeoutError
+from solvers import OPTIMALITY_GAP, InfeasibleError, SolveOptions, SolverTimeoutError
 
 log = logging.getLogger(__name__)
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at more steps
@@ -82,9 +82,7 @@ class Planner:
     mesh: DeviceMesh
     device_profile: DeviceProfile
     optimizer: memory.OptimizerSpec
-    solver_backend: str = "highs"
-    time_limit: float | None = None
-    mip_rel_gap: float = DEFAULT_GAP
+    solve_options: SolveOptions = field(default_factory=lambda: SolveOptions(mip_rel_gap=DEFAULT_GAP))
     merge_followers: bool = True
 
     def __post_init__(self) -> None:
@@ -132,19 +130,16 @@ class Planner:
         strategies: dict[fx.Node, NodeStrategies],
         cost_model: CostModel,
         steps: dict[Point, float],
-        time_limit: float | None,
+        opts: SolveOptions,
+        *,
         start: dict[fx.Node, Strategy] | None = None,
-        smallest_peak: bool = False,
-        diagnose: bool = True,
         start_recompute: tuple[str, ...] = (),
-        polish_s: float = POLISH_S,
-        seed_only: bool = False,
+        smallest_peak: bool = False,
         least: dict[fx.Node, float] | None = None,
-        keep_start: bool = False,
     ) -> tuple[PlacementProblem, UnitChoice, dict[fx.Node, Strategy]]:
-        """Build and solve the ILP for one clustering; returns the solve and every node's strategy
-        (``diagnose``: name the conflicting constraints of an infeasible one; ``polish_s``: see
-        ``solve_placement``; ``least``: see ``build_problem``; ``keep_start``: see ``solvers.solve``)."""
+        """Build and solve the ILP for one clustering under ``opts``; returns the solve and every
+        node's strategy (``start``, ``start_recompute``, ``smallest_peak``: see ``solve_placement``;
+        ``least``: see ``build_problem``)."""
         problem = build_problem(
             self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers, least
         )
@@ -161,17 +156,11 @@ class Planner:
             problem,
             fixed,
             budgets,
-            time_limit=time_limit,
-            backend=self.solver_backend,
-            mip_rel_gap=max(self.mip_rel_gap, OPTIMALITY_GAP),
+            dataclasses.replace(opts, mip_rel_gap=max(opts.mip_rel_gap, OPTIMALITY_GAP)),
             start=start,
+            start_recompute=start_recompute,
             options=options,
             smallest_peak=smallest_peak,
-            diagnose=diagnose,
-            start_recompute=start_recompute,
-            polish_s=polish_s,
-            seed_only=seed_only,
-            keep_start=keep_start,
         )
         return problem, solved, expand_choice(self.tg, problem, solved.choice)
 
@@ -242,12 +231,12 @@ class Planner:
 
         start = self._start_of(request.start)
 
-        def solve_with(steps, time_limit=self.time_limit, **kw):
+        def solve_with(steps, opts=self.solve_options, **kw):
             if start is not None:
                 kw.setdefault("start", start)
                 kw.setdefault("start_recompute", tuple(option_name(*lo) for lo in request.start.recompute.items()))
             try:
-                return self._solve(request, self.clustering, self.strategies, cost_model, steps, time_limit, **kw)
+                return self._solve(request, self.clustering, self.strategies, cost_model, steps, opts, **kw)
             except InfeasibleError as e:
                 if capped and any(g.startswith(PEAK_GROUP) for g in e.groups):
                     raise self._smallest_peak_error(e, request, cost_model, steps) from e
@@ -258,24 +247,26 @@ class Planner:
             each option on every layer says whether the cap can be met at all, far sooner than the
             full MIP proves that it cannot."""
             try:
-                return solve_with(steps, polish_s=0.0, seed_only=True)
+                return solve_with(steps, dataclasses.replace(self.solve_options, polish_s=0.0, seed_only=True))
             except NoSeedError:
                 least = self._least_peak(request, cost_model, steps)
                 if least is not None and least > request.peak_budget:
                     group = peak_group(request.peak_budget)
                     raise _cap_error((group,), f"No plan meets the {group}.", least) from None
-                return solve_with(steps, polish_s=0.0)
+                return solve_with(steps, dataclasses.replace(self.solve_options, polish_s=0.0))
 
         done = self._solve_within_peak(request, round_solve, steps, "main solve")
         if not (done.solved.seeded and done.within):
             return done
-        left = POLISH_S if self.time_limit is None else min(POLISH_S, self.time_limit - (time.perf_counter() - t0))
+        limit = self.solve_options.time_limit
+        left = POLISH_S if limit is None else min(POLISH_S, limit - (time.perf_counter() - t0))
         if left <= 0:
             return done
         log.info("polishing the capped plan with the full MIP (at most %.0f s)", left)
         try:
+            polish = dataclasses.replace(self.solve_options, time_limit=left, diagnose=False)
             problem, solved, chosen = solve_with(
-                done.steps, left, start=done.chosen, start_recompute=done.solved.recompute, diagnose=False
+                done.steps, polish, start=done.chosen, start_recompute=done.solved.recompute
             )
         except (InfeasibleError, SolverTimeoutError):
             return done
@@ -351,8 +342,9 @@ class Planner:
             if left <= 0:
                 break
             try:
+                opts = dataclasses.replace(self.solve_options, time_limit=left)
                 _, solved, chosen = self._solve(
-                    request, self.clustering, self.strategies, cost_model, steps, left, smallest_peak=True
+                    request, self.clustering, self.strategies, cost_model, steps, opts, smallest_peak=True
                 )
             except SolverTimeoutError:
                 break
@@ -395,19 +387,10 @@ class Planner:
 
         own_least = {n: least[self.clustering.rep[n]] for n in strategies}
 
+        opts = dataclasses.replace(self.solve_options, time_limit=time_limit, diagnose=False, keep_start=True)
+
         def solve_with(steps):
-            return self._solve(
-                pinned,
-                split,
-                strategies,
-                cost_model,
-                steps,
-                time_limit,
-                start=chosen,
-                diagnose=False,
-                least=own_least,
-                keep_start=True,
-            )
+            return self._solve(pinned, split, strategies, cost_model, steps, opts, start=chosen, least=own_least)
 
         return split, self._solve_within_peak(request, solve_with, steps, f"re-solve of {'+'.join(group)}")
 
@@ -430,14 +413,13 @@ class Planner:
         except SolverTimeoutError as e:
             raise SolverLimitError(e, time.perf_counter() - t0) from e
         problem, solved, chosen, steps = main.problem, main.solved, main.chosen, main.steps
-        if solved.result.gap > max(self.mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
+        time_limit, mip_rel_gap = self.solve_options.time_limit, self.solve_options.mip_rel_gap
+        if solved.result.gap > max(mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
             # without a user time_limit, the limit met is the one on polishing a capped plan
-            limit = (
-                f"time_limit={self.time_limit} s" if self.time_limit is not None else f"its {POLISH_S:g} s polish limit"
-            )
+            limit = f"time_limit={time_limit} s" if time_limit is not None else f"its {POLISH_S:g} s polish limit"
             warnings.warn(
                 f"the solver stopped at {limit} with the best plan found so far, within"
-                f" {solved.result.gap:.2%} of its bound (mip_rel_gap={self.mip_rel_gap:g} was asked): raise"
+                f" {solved.result.gap:.2%} of its bound (mip_rel_gap={mip_rel_gap:g} was asked): raise"
                 " time_limit for a better one",
                 stacklevel=3,
             )
@@ -446,7 +428,7 @@ class Planner:
         recomputed = solved.recompute
 
         def refine(group, clustering, chosen, steps):
-            left = None if self.time_limit is None else self.time_limit - (time.perf_counter() - t0)
+            left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
             if left is not None and left <= 0:
                 return None
             try:

@@ -10,12 +10,13 @@ Typical use::
 
 from .model import LinearModel, ModelBuilder
 from .pulp_backend import to_pulp
-from .result import OPTIMALITY_GAP, InfeasibleError, SolveResult, SolverTimeoutError, SolveStatus
+from .result import OPTIMALITY_GAP, InfeasibleError, SolveOptions, SolveResult, SolverTimeoutError, SolveStatus
 from .solve import Screen, solve
 
 __all__ = [
     "OPTIMALITY_GAP",
     "Screen",
+    "SolveOptions",
     "InfeasibleError",
     "LinearModel",
     "ModelBuilder",

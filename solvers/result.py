@@ -70,8 +70,35 @@ class SolveResult:
 
 
 @dataclass(frozen=True)
+class SolveOptions:
+    """Every knob of a solve, as one value carried from ``AutoParallel`` through the planner and
+    ``autoplan.ilp`` down to ``solve``: a new knob is one field here. Each layer reads its own and
+    passes the rest on (a layer that varies one for a call replaces it in a copy).
+
+    ``solve`` reads: ``backend`` ("highs", "cbc" or "auto"), ``time_limit`` (seconds, ``None``: no
+    limit), ``mip_rel_gap`` (how far above the bound a point is good enough), ``threads``,
+    ``lp_first`` (the LP relaxation before any MIP), ``diagnose`` (name the conflicting groups of
+    an infeasible model), ``keep_start`` (a start good enough is kept, the rounding untried),
+    ``verbose`` (the backend's own log) and ``log`` (a long MIP's progress at INFO).
+    ``autoplan.ilp`` reads: ``polish_s`` (seconds the full MIP may spend improving a seed plan; 0:
+    the seed as it is) and ``seed_only`` (no full MIP when no seed is found)."""
+
+    backend: str = "highs"
+    time_limit: float | None = None
+    mip_rel_gap: float = 1e-6
+    threads: int | None = None
+    lp_first: bool = True
+    diagnose: bool = True
+    keep_start: bool = False
+    polish_s: float = 30.0
+    seed_only: bool = False
+    verbose: bool = False
+    log: logging.Logger | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class SolverOptions:
-    """Options every backend honours."""
+    """What every backend honours, for one backend call (``solve`` makes them from ``SolveOptions``)."""
 
     time_limit: float | None = None
     mip_rel_gap: float = 1e-6

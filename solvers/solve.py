@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from time import perf_counter
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from .result import (
     OPTIMALITY_GAP,
     InfeasibleError,
     RawSolution,
+    SolveOptions,
     SolveResult,
     SolverOptions,
     SolverTimeoutError,
@@ -256,21 +257,16 @@ def _distinct(model: LinearModel, guesses: list[np.ndarray]) -> list[np.ndarray]
 
 def solve(
     model: LinearModel,
-    backend: str = "highs",
-    time_limit: float | None = None,
-    mip_rel_gap: float = 1e-6,
-    lp_first: bool = True,
-    threads: int | None = None,
-    verbose: bool = False,
+    options: SolveOptions | None = None,
+    *,
     rounding: Callable[[np.ndarray], np.ndarray] | None = None,
     start: np.ndarray | None = None,
-    diagnose: bool = True,
-    keep_start: bool = False,
     certify: Callable[[np.ndarray, float], tuple[float, np.ndarray]] | None = None,
     screen: Screen | None = None,
-    log: logging.Logger | None = None,
+    **knobs: Any,
 ) -> SolveResult:
-    """Minimise ``model``.
+    """Minimise ``model`` under ``options`` (``SolveOptions``; its fields may be given as keywords
+    instead, or on top).
 
     With ``lp_first`` the LP relaxation is solved first and accepted when its integer columns
     are already integral (placement LPs usually are, and the LP is several times cheaper);
@@ -297,22 +293,13 @@ def solve(
     start's objective, and the multipliers are the certificate's (``Screen.y`` ``None``).
     ``verbose`` prints the backend's own log; ``log`` gets a long MIP's progress at INFO (HiGHS).
     """
+    o = replace(options or SolveOptions(), **knobs)
+    backend, time_limit, mip_rel_gap, lp_first = o.backend, o.time_limit, o.mip_rel_gap, o.lp_first
+    diagnose, keep_start = o.diagnose, o.keep_start
 
     def whole(sub: LinearModel, round_sub, limit: float | None, sub_start=None) -> SolveResult:
-        return solve(
-            sub,
-            backend,
-            limit,
-            mip_rel_gap,
-            lp_first,
-            threads,
-            verbose,
-            round_sub,
-            sub_start,
-            diagnose=False,
-            keep_start=sub_start is not None,
-            log=log,
-        )
+        sub_opts = replace(o, time_limit=limit, diagnose=False, keep_start=sub_start is not None)
+        return solve(sub, sub_opts, rounding=round_sub, start=sub_start)
 
     # every pass gets what is left of the time limit from here, a screened try's time included
     started = perf_counter()
@@ -323,7 +310,7 @@ def solve(
             return found
     name = _backend_name(backend)
     run = _BACKENDS[name]
-    opts = SolverOptions(time_limit, mip_rel_gap, threads, verbose, log=log)
+    opts = SolverOptions(time_limit, mip_rel_gap, o.threads, o.verbose, log=o.log)
     passes: list[RawSolution] = []
     lp_bound = -math.inf
     best: tuple[np.ndarray, float] | None = None
