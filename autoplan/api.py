@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils._pytree import tree_flatten
 
 from autoplan import memory, mismatch, recompute
+from autoplan.adapters.pytree import tree_flatten
 from autoplan.attention import check_option as check_attention_option
 from autoplan.clustering import Clustering, find_repeats, unclustered
 from autoplan.compile import RegionStats, compile_regions

@@ -17,7 +17,9 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from autoplan.adapters.ops import OpOverload, schema
+from autoplan.adapters.pytree import tree_flatten
 
 aten = torch.ops.aten
 
@@ -32,7 +34,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 class SdpaOp:
     """One aten SDPA kernel: the role of its arguments and of its outputs."""
 
-    op: torch._ops.OpOverload
+    op: OpOverload
     backend: str  # "flash" | "efficient" | "cudnn" | "cpu"
     backward: bool
     arg_names: Mapping[str, str]  # role -> schema argument name
@@ -43,7 +45,7 @@ class SdpaOp:
         name = self.arg_names.get(role)
         if name is None:
             return None
-        return next(i for i, a in enumerate(self.op._schema.arguments) if a.name == name)
+        return next(i for i, a in enumerate(schema(self.op).arguments) if a.name == name)
 
     def role_of(self, name: str) -> str:
         """The role of the schema argument ``name`` ("" for arguments autoplan does not interpret)."""
@@ -59,7 +61,7 @@ class SdpaOp:
         name = self.arg_names[role]
         if name in kwargs:
             return kwargs[name]
-        schema_default = self.op._schema.arguments[i].default_value
+        schema_default = schema(self.op).arguments[i].default_value
         return default if schema_default is None else schema_default
 
     def call(self, values: Mapping[str, Any]) -> Any:
@@ -136,10 +138,10 @@ _OPS = (
     ),
 )
 
-SDPA_OPS: Mapping[torch._ops.OpOverload, SdpaOp] = MappingProxyType({s.op: s for s in _OPS})
+SDPA_OPS: Mapping[OpOverload, SdpaOp] = MappingProxyType({s.op: s for s in _OPS})
 
 # GPU kernel -> the CPU op computing the same values (outputs 0 and 1 of a forward, the three grads of a backward)
-HOST_TWIN: Mapping[torch._ops.OpOverload, SdpaOp] = MappingProxyType(
+HOST_TWIN: Mapping[OpOverload, SdpaOp] = MappingProxyType(
     {
         s.op: SDPA_OPS[
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -161,7 +163,7 @@ def spec_of(op: Any) -> SdpaOp | None:
 
 def argument_roles(spec: SdpaOp, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """(role, value) of every leaf of a call's arguments, in flattened (args, kwargs) order."""
-    names = [a.name for a in spec.op._schema.arguments]
+    names = [a.name for a in schema(spec.op).arguments]
     pairs = [*zip(names, args), *kwargs.items()]
     return [(spec.role_of(name), x) for name, a in pairs for x in tree_flatten(a)[0]]
 

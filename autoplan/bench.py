@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from autoplan.adapters.inductor import profile_cpp_kernels
 from autoplan.collective_free import collective_free_executor
 from autoplan.workloads import fake_mesh, llama_batch, llama_config, llama_model, parse_mesh
 
@@ -267,9 +268,7 @@ def _programs(args: argparse.Namespace, keep_plan: bool = False) -> tuple[list[_
     cfg = llama_config(args.model, args.layers)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
     if args.compile and device == "cpu":
-        import torch._inductor.config as inductor_config
-
-        inductor_config.cpp.enable_kernel_profile = True  # Inductor's C++ kernels show in the profiler
+        profile_cpp_kernels()
     programs = [_Program("planned", pmod, pmod, tokens, args.compile)]
     if not args.planned_only:
         model, _ = llama_model(args.model, dtype, args.layers)

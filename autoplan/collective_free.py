@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from autoplan.adapters.ops import base_name
+
 # Collectives whose output is their input (same shape, no re-layout); every other one becomes a new
 # tensor of its output's shape.
 _PASS_THROUGH = ("all_reduce", "wait_tensor", "broadcast")
@@ -44,7 +46,7 @@ def collective_free(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dic
     for n in list(graph.nodes):
         if not communicates(n):
             continue
-        name, val = n.target._opname, n.meta.get("val")
+        name, val = base_name(n.target), n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise NotImplementedError(f"collective-free rewrite: {n.target} ({n.name}) does not return one tensor")
         if name in _PASS_THROUGH:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autoplan.adapters.ops import base_name
+
 c10d = torch.ops._c10d_functional
 
 # Namespaces whose ops communicate (or wait on communication): never compute to compile or count.
@@ -44,6 +46,6 @@ def collective_kind(n: fx.Node) -> str | None:
     its own synchronous ``_dtensor.shard_dim_alltoall`` (CPU meshes: ``all_to_all_single``)."""
     if is_c10d_collective(n):
         return C10D_KINDS[n.target]
-    if _call_namespace(n) == "_dtensor" and n.target._opname == "shard_dim_alltoall":
+    if _call_namespace(n) == "_dtensor" and base_name(n.target) == "shard_dim_alltoall":
         return "all_to_all"
     return None

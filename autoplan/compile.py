@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
-from torch.utils._pytree import tree_map
 
 from autoplan.adapters.inductor import aot_backend, compile_graph
+from autoplan.adapters.ops import OpOverload, base_name
+from autoplan.adapters.pytree import tree_map
 from autoplan.collectives import communicates
 from autoplan.lowering import REGION_KEY, partition
 
@@ -58,9 +59,9 @@ def compute_ops(gm: fx.GraphModule) -> int:
     count = 0
     for n in gm.graph.nodes:
         op = n.target
-        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or communicates(n):
+        if n.op != "call_function" or not isinstance(op, OpOverload) or communicates(n):
             continue
-        if op.is_view or op._opname in _ALLOCATIONS:
+        if op.is_view or base_name(op) in _ALLOCATIONS:
             continue
         count += 1
     return count

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch.utils.flop_counter import flop_registry
 
 from autoplan import attention
+from autoplan.adapters.ops import OpOverload
 
 
 def _sdpa_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], is_causal: bool) -> float:
@@ -24,7 +24,7 @@ def _sdpa_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequenc
     return flops / 2 if is_causal else flops
 
 
-def _sdpa_kernel_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
+def _sdpa_kernel_flops(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
     """Forward: 2 GEMMs. Backward (flash-style) recomputes the scores and runs four more: 2.5x the forward."""
     spec = attention.SDPA_OPS[op]
     q, k, v = (spec.arg(args, kwargs, role) for role in ("query", "key", "value"))
@@ -32,7 +32,7 @@ def _sdpa_kernel_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: M
     return 2.5 * flops if spec.backward else flops
 
 
-def node_flops(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> float:
+def node_flops(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> float:
     """Global FLOPs of one aten call; works on fake/meta tensors since only shapes are read; 0 without a formula.
 
     Attention kernels use autoplan's formula even where torch's flop counter has one: that one

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoplan import attention
 from autoplan.adapters.dtensor import redistribute
+from autoplan.adapters.fake import FakeTensor
+from autoplan.adapters.modules import buffer_slots
+from autoplan.adapters.pytree import tree_flatten, tree_map, tree_unflatten
 from autoplan.collectives import collective_kind, is_c10d
 from autoplan.costs import local_shape as padded_shape
 from autoplan.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
@@ -376,7 +377,7 @@ class _Stitcher:
 
     def buffer(self, value: torch.Tensor, meta: dict) -> fx.Node:
         """``value`` as a new buffer of the lowered module, read by a ``get_attr`` node."""
-        name = f"_const{len(self.root._buffers) + len(self.root.__dict__)}"
+        name = f"_const{buffer_slots(self.root) + len(self.root.__dict__)}"
         self.root.register_buffer(name, value)
         attr = self.graph.get_attr(name)
         attr.meta = meta

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from autoplan import overlap
 from autoplan.adapters.dtensor import tensor_meta
+from autoplan.adapters.pytree import tree_map
 from autoplan.clustering import Clustering
 from autoplan.costs import CostModel, Matrix, Price, compute_dtype, pairwise
 from autoplan.flops import node_flops
@@ -46,8 +47,8 @@ def is_free(node: fx.Node) -> bool:
 
 def _flops(node: fx.Node) -> float:
     to_val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
-    args = torch.utils._pytree.tree_map(to_val, node.args)
-    kwargs = torch.utils._pytree.tree_map(to_val, node.kwargs)
+    args = tree_map(to_val, node.args)
+    kwargs = tree_map(to_val, node.kwargs)
     return node_flops(node.target, args, kwargs, node.meta.get("val"))
 
 

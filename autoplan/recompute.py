@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
+from autoplan.adapters.ops import schema as op_schema
 from autoplan.clustering import instance_of
 from autoplan.tracing import CHECKPOINT_KEY, PATH_KEY, PHASE_KEY, RERUN_KEY
 
@@ -48,7 +49,7 @@ def _is_random(node: fx.Node) -> bool:
     draws nothing at ``dropout_p=0``."""
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
-    schema = node.target._schema
+    schema = op_schema(node.target)
     for i, arg in enumerate(schema.arguments):
         if arg.name == "dropout_p":
             p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoplan.adapters.dtensor import local_shape
+from autoplan.adapters.dtensor import local_shape, local_tensor, set_local_tensor
 from autoplan.adapters.fx import boxed
 from autoplan.adapters.local_tensor import (
     mesh_coordinate,
@@ -28,6 +28,7 @@ from autoplan.adapters.local_tensor import (
     world_key,
     write_state,
 )
+from autoplan.adapters.modules import add_load_state_dict_pre_hook, clear_forward_hooks, non_persistent_buffers
 from autoplan.devices import dtype_name
 from autoplan.errors import ConstraintError, InputMismatchError
 from autoplan.inputs import InputSpec
@@ -108,9 +109,9 @@ class ParallelMixin:
                 at = lambda c, shape=shape, placements=placements, mesh=mesh: local_shape_at(  # noqa: E731
                     shape, placements, mesh.shape, c
                 )
-                t._local_tensor = per_rank_empty(t._local_tensor, mesh, at)
+                set_local_tensor(t, per_rank_empty(local_tensor(t), mesh, at))
             elif isinstance(t, DTensor):
-                t._local_tensor = per_rank(t._local_tensor)
+                set_local_tensor(t, per_rank(local_tensor(t)))
         # a buffer outside the state dict keeps what to_empty left unless something fills it
         self._autoplan.unfilled = {fqn: _written(self.get_buffer(fqn)) for fqn in _non_persistent(self)}
         return self
@@ -169,17 +170,12 @@ class _PaddedShard(torch.autograd.Function):
 
 def _non_persistent(module: nn.Module) -> list[str]:
     """FQNs of the buffers ``state_dict`` leaves out (``register_buffer(..., persistent=False)``)."""
-    return [
-        f"{name}.{b}" if name else b
-        for name, m in module.named_modules()
-        for b in sorted(m._non_persistent_buffers_set)
-        if m._buffers.get(b) is not None
-    ]
+    return [f"{name}.{b}" if name else b for name, m in module.named_modules() for b in non_persistent_buffers(m)]
 
 
 def _written(t: torch.Tensor) -> tuple:
     """Which tensor holds a buffer's values, and what it holds (``write_state``)."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_tensor(t) if isinstance(t, DTensor) else t
     return id(local), write_state(local)
 
 
@@ -297,7 +293,7 @@ def _distribute_full_state(module, state_dict, prefix, *args):
             shards = distribute_tensor(value.to(current.device), current.device_mesh, current.placements)
             # adopt the shard storage itself: under a simulated world (LocalTensorMode) a local tensor
             # made by ``to_empty`` outside the simulation is shared by all ranks, so copy_ cannot fill it
-            current._local_tensor = per_rank(shards._local_tensor.detach())
+            set_local_tensor(current, per_rank(local_tensor(shards).detach()))
             state_dict[key] = shards
 
 
@@ -324,10 +320,9 @@ def build_parallel_module(
     extra = {"init_weights": _replicating(cls.init_weights)} if hasattr(cls, "init_weights") else {}
     pmod.__class__ = type(f"Parallel{cls.__name__}", (ParallelMixin, cls), extra)
     for m in pmod.modules():
-        m._register_load_state_dict_pre_hook(_distribute_full_state, with_module=True)
+        add_load_state_dict_pre_hook(m, _distribute_full_state)
         # the traced graph already contains what the hooks did; running them again would redo it
-        m._forward_pre_hooks.clear()
-        m._forward_hooks.clear()
+        clear_forward_hooks(m)
     input_locals, params = [], []
     for (kind, _), pl, local in zip(lowered.input_labels, lowered.input_placements, lowered.local_shapes):
         if kind == "input":

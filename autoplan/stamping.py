@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from autoplan.adapters.fake import FakeTensor
 from autoplan.adapters.fx import graph_module
+from autoplan.adapters.modules import child_names
+from autoplan.adapters.ops import TorchDispatchMode
+from autoplan.adapters.pytree import tree_flatten
 
 SMALL_CONSTANT = 4096  # elements: constants up to this size are compared by value
 MIN_LAYERS = 8  # below this, tracing two and three layers to prove the stamp costs about as much as all
@@ -57,7 +58,7 @@ def find_stack(root: nn.Module, prefix: str) -> Stack | None:
         if (
             len(kids) < MIN_LAYERS
             or len({type(k) for k in kids}) != 1
-            or list(mod._modules) != [str(i) for i in range(len(kids))]
+            or child_names(mod) != [str(i) for i in range(len(kids))]
         ):
             continue
         if best is None or len(kids) > len(best[1]):

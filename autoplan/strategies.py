@@ -20,10 +20,11 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils._pytree import tree_map
 
 from autoplan import attention
 from autoplan.adapters import dtensor as dt
+from autoplan.adapters.ops import OpOverload
+from autoplan.adapters.pytree import tree_map
 from autoplan.constraints import placement_error
 from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
@@ -171,9 +172,7 @@ def _sdpa_rows(node: fx.Node) -> list[tuple]:
 
 # Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...).
 # DTensor's GPU attention rules cannot take the RNG and integer values their backward reads.
-_OWN_RULES: dict[torch._ops.OpOverload, Callable[[fx.Node], list[tuple]]] = dict.fromkeys(
-    attention.SDPA_OPS, _sdpa_rows
-)
+_OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple]]] = dict.fromkeys(attention.SDPA_OPS, _sdpa_rows)
 
 
 def _op_key(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple | None:
@@ -337,7 +336,7 @@ class StrategyBuilder:
         if op in _OWN_RULES:
             rows, source = _OWN_RULES[op](node), "autoplan"
             return self._finish(node, _product_rows(rows, n_out, len(self.mesh_shape)), source)
-        if isinstance(op, torch._ops.OpOverload):
+        if isinstance(op, OpOverload):
             args_meta, kwargs_meta = _meta_args(node)
             rows = dt.single_dim_rules(op, args_meta, kwargs_meta)
             if rows is not None:

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from autoplan.adapters.fake import fake_tensor_log
+from autoplan.adapters.ops import OpOverload
 from autoplan.errors import AutoplanError, TracingError
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)  # torch, autoplan
@@ -38,7 +40,7 @@ def _failing_op(exc: BaseException) -> str | None:
     tb = exc.__traceback__
     while op is None and tb is not None:
         candidate = tb.tb_frame.f_locals.get("func")
-        if isinstance(candidate, torch._ops.OpOverload):
+        if isinstance(candidate, OpOverload):
             op = candidate
         tb = tb.tb_next
     return None if op is None else str(op)
@@ -83,7 +85,7 @@ def named_failures(module_path: Callable[[], str]):
 
     Fake-tensor mode also logs a failing meta kernel with its full stack; the error says it better.
     """
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log = fake_tensor_log()
     fake_log.addFilter(_not_meta_failure)
     try:
         yield

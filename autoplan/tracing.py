@@ -21,15 +21,17 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autoplan import attention as attn
 from autoplan import stamping
+from autoplan.adapters.autograd import sequence_number
+from autoplan.adapters.fake import FakeTensorMode
 from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 from autoplan.adapters.fx import lazy_graph_modules
+from autoplan.adapters.ops import OpOverload, schema
+from autoplan.adapters.pytree import tree_flatten, tree_map_only, tree_unflatten
 from autoplan.batch_norm import batch_norm
 from autoplan.inputs import InputSpec, split_call
 from autoplan.progress import ticker
@@ -421,7 +423,7 @@ def _tag_backward_seq_nr(outputs: list[torch.Tensor]) -> None:
         if fn in seen:
             continue
         seen.add(fn)
-        seq = fn._sequence_nr()
+        seq = sequence_number(fn)
         fn.register_prehook(lambda grads, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq))
         stack.extend(f for f, _ in fn.next_functions if f is not None)
 
@@ -497,7 +499,7 @@ def _mutating_ops(gm: fx.GraphModule) -> list[fx.Node]:
     return [
         n
         for n in gm.graph.nodes
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        if n.op == "call_function" and isinstance(n.target, OpOverload) and schema(n.target).is_mutable
     ]
 
 

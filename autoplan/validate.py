@@ -18,8 +18,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten
 
+from autoplan.adapters.ops import OpOverload, schema
+from autoplan.adapters.pytree import tree_flatten
 from autoplan.collectives import is_c10d_collective
 from autoplan.passes.contiguity import contiguous_by_construction
 
@@ -47,9 +48,9 @@ def host_only(target) -> bool:
     """Does ``target`` run only on the host (see the module docstring for the rule)?"""
     if target in _HOST_SYNCS:
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
-    namespace, _, name = target._schema.name.partition("::")
+    namespace, _, name = schema(target).name.partition("::")
     return namespace in _HOST_NAMESPACES or any(part in name for part in _HOST_NAME_PARTS)
 
 

@@ -35,11 +35,12 @@ def fake_mesh(shape: tuple[int, ...], device_type: str = "cpu"):
     no-ops, so any size plans on one machine. Dims are named dp, tp, cp, pp in order."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autoplan.adapters.fake import fake_store
 
     size, names = math.prod(shape), MESH_DIM_NAMES[: len(shape)]
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
     if dist.get_world_size() == size:
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
     if dist.get_world_size() < size:

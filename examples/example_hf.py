@@ -106,12 +106,6 @@ def plan_family(family: str, shape: tuple[int, ...]) -> tuple[bool, str]:
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
 
-def _first_local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed._local_tensor import LocalTensor
-
-    return t._local_tensors[0] if isinstance(t, LocalTensor) else t
-
-
 @dataclass
 class Numerics:
     worst: float  # worst relative error over the loss and every parameter gradient
@@ -125,8 +119,9 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2)) -> Numerics:
 
     Loss = mean of the squared logits; dropout is off in both (they would draw different numbers).
     """
-    from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from autoplan.adapters.local_tensor import rank_value, simulated_world
 
     torch.manual_seed(0)
     ref = tiny_model(family, dropout=False, device="cpu")
@@ -143,7 +138,7 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2)) -> Numerics:
             ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
             plan = ap.optimize_placement()
             pmod = ap.apply_placement(plan)
-    with LocalTensorMode(math.prod(shape)):
+    with simulated_world(math.prod(shape)):
         pmod.to_empty(device="cpu")
         for name, b in pmod.named_buffers():  # RoPE tables and the like, which no state dict carries
             (b.to_local() if isinstance(b, DTensor) else b).copy_(ref.get_buffer(name))
@@ -152,9 +147,9 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2)) -> Numerics:
         logits = out[0] if isinstance(out, tuple) else out
         loss = DTensor.from_local(logits, mesh, io, run_check=False).pow(2).mean()
         loss.backward()
-        errors = {"loss": (_first_local(loss.full_tensor()), ref_loss.detach())}
+        errors = {"loss": (rank_value(loss.full_tensor()), ref_loss.detach())}
         for name, p in pmod.named_parameters():
-            errors[name] = (_first_local(p.grad.full_tensor()), ref.get_parameter(name).grad)
+            errors[name] = (rank_value(p.grad.full_tensor()), ref.get_parameter(name).grad)
     worst, bad = 0.0, []
     for name, (got, want) in errors.items():
         # relative to the tensor's norm, or to atol where it is ~0 (a key bias' gradient is round-off)

@@ -135,6 +135,16 @@ def logical_shapes(mesh: DeviceMesh, src: Placements, meta: TensorMeta) -> list[
     return shapes
 
 
+def local_tensor(t: DTensor) -> torch.Tensor:
+    """The tensor holding this rank's shard itself (``to_local`` gives a view of it under autograd)."""
+    return t._local_tensor
+
+
+def set_local_tensor(t: DTensor, local: torch.Tensor) -> None:
+    """Make ``local`` the tensor holding this rank's shard of ``t`` (same shape, dtype and device)."""
+    t._local_tensor = local
+
+
 def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 

@@ -35,3 +35,10 @@ def aot_backend(partition_fn: Callable) -> Callable:
         decompositions=select_decomp_table(),
         keep_inference_input_mutations=True,
     )
+
+
+def profile_cpp_kernels() -> None:
+    """From now on Inductor's C++ kernels record themselves, so the profiler lists each one run."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True

@@ -10,8 +10,18 @@ from collections.abc import Callable, Hashable
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, enabled_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
+
+
+def simulated_world(ranks: int) -> LocalTensorMode:
+    """A context in which ``ranks`` ranks run in this process, each tensor holding every rank's value."""
+    return LocalTensorMode(ranks)
+
+
+def rank_value(t: torch.Tensor, rank: int = 0) -> torch.Tensor:
+    """``rank``'s value of a simulated-rank tensor; any other tensor as it is."""
+    return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
 
 
 def world_key() -> Hashable:

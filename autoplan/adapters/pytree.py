@@ -1,7 +1,8 @@
-"""Adapter over ``torch.utils._pytree``'s key paths, so a torch upgrade touches one module.
+"""Adapter over ``torch.utils._pytree``, so a torch upgrade touches one module.
 
-``autoplan.inputs`` names every leaf of a model call by where it sits (``batch['mask']``); the
-key-path API that tells it is private.
+Graph arguments and model calls are nested lists, tuples and dicts; the flatten/map/unflatten
+functions that walk them are private, and so is the key-path API with which ``autoplan.inputs``
+names every leaf of a model call by where it sits (``batch['mask']``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,24 @@ from torch.utils._pytree import (
     SequenceKey,
     TreeSpec,
     keystr,
+    tree_flatten,
     tree_flatten_with_path,
+    tree_map,
+    tree_map_only,
     tree_unflatten,
 )
+
+__all__ = [
+    "Spec",
+    "key",
+    "leaves_with_paths",
+    "path_text",
+    "tree_flatten",
+    "tree_map",
+    "tree_map_only",
+    "tree_unflatten",
+    "unflatten",
+]
 
 Spec = TreeSpec
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autoplan.adapters.pytree import tree_flatten, tree_unflatten
 from autoplan.clustering import instance_of
 from autoplan.costs import CostModel
 from autoplan.evaluate import reprice

@@ -1,0 +1,24 @@
+"""Adapter over torch's private operator classes: ``torch._ops.OpOverload`` (the type of every ATen
+op in a traced graph), its ``_schema`` and ``_opname``, and ``torch.utils._python_dispatch``'s
+dispatch mode, so a torch upgrade touches one module.
+
+Graph passes tell ATen calls from other nodes by the overload type, read argument names, defaults
+and mutability off the schema, and match ops by their bare name across overloads.
+"""
+
+from __future__ import annotations
+
+from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpOverload", "TorchDispatchMode", "base_name", "schema"]
+
+
+def schema(op: OpOverload):
+    """The op's ``FunctionSchema``: its name (``aten::mm``), arguments (names, defaults) and returns."""
+    return op._schema
+
+
+def base_name(op: OpOverload) -> str:
+    """The op's name without namespace or overload: ``mm`` for ``aten.mm.default``."""
+    return op._opname
