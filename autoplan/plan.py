@@ -16,6 +16,8 @@ from pathlib import Path
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.styles import STYLES, module_styles
+
 Placements = tuple[Placement, ...]
 
 
@@ -192,6 +194,7 @@ class Plan:
         ]
         for pattern, (pl, n) in _by_pattern(self.param_placements).items():
             lines.append(f"{pattern:<48} {pl:<14} {n}")
+        lines += _style_lines(self._style_rows(), self._dim_names())
         lines += ["", f"{'matmul-like op (module)':<48} {'inputs -> output':<40} copies"]
         heavy = defaultdict(int)
         for node in self.nodes.values():
@@ -213,6 +216,16 @@ class Plan:
             "planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
         return "\n".join(lines + _pass_lines(self.passes))
+
+    def styles(self) -> dict[str, tuple[str, ...]]:
+        """Per module, one entry per mesh dim: the plan in the words of a hand-written
+        ``parallelize_module`` plan (``ColwiseParallel``, ``FSDP``, ...; ``autoplan.styles``), or the
+        placements where no style does what the plan does. Repeated layers appear once, as
+        ``layers.*``; a copy that differs gets its own entry."""
+        return {module: labels for module, (labels, _) in self._style_rows().items()}
+
+    def _style_rows(self) -> dict[str, tuple[tuple[str, ...], int]]:
+        return _fold(module_styles(self.nodes.values(), self.param_placements))
 
     def param_table(self) -> list[tuple[str, str, int, int]]:
         """One row per layer pattern (``layers.*.attention.wq.weight``): placements, copies, and
@@ -287,9 +300,11 @@ class Plan:
             unlike=tuple(_unlike(self, other)),
         )
 
+    def _dim_names(self) -> tuple[str, ...]:
+        return self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
+
     def _mesh_label(self) -> str:
-        dims = self.mesh_dim_names or tuple(f"d{i}" for i in range(len(self.mesh_shape)))
-        return "(" + ", ".join(f"{n}={s}" for n, s in zip(dims, self.mesh_shape)) + ")"
+        return "(" + ", ".join(f"{n}={s}" for n, s in zip(self._dim_names(), self.mesh_shape)) + ")"
 
     # ---- JSON --------------------------------------------------------------------------------
 
@@ -426,9 +441,9 @@ def _pattern(path: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".*\1", path)
 
 
-def _row_keys(params: dict[str, Placements]) -> dict[str, str]:
+def _row_keys(params: dict[str, object]) -> dict[str, str]:
     """FQN -> its row: the layer pattern, or the FQN itself for a copy placed unlike the first."""
-    first: dict[str, Placements] = {}
+    first: dict[str, object] = {}
     keys = {}
     for fqn, pl in params.items():
         pattern = _pattern(fqn)
@@ -436,12 +451,33 @@ def _row_keys(params: dict[str, Placements]) -> dict[str, str]:
     return keys
 
 
-def _by_pattern(params: dict[str, Placements]) -> dict[str, tuple[str, int]]:
-    out: dict[str, tuple[str, int]] = {}
-    for fqn, key in _row_keys(params).items():
-        text, n = out.get(key, (placements_str(params[fqn]), 0))
-        out[key] = (text, n + 1)
+def _fold(values: dict) -> dict:
+    """Path -> value folded into rows (``_row_keys``): row -> (its value, copies)."""
+    out = {}
+    for path, key in _row_keys(values).items():
+        value, n = out.get(key, (values[path], 0))
+        out[key] = (value, n + 1)
     return out
+
+
+def _by_pattern(params: dict[str, Placements]) -> dict[str, tuple[str, int]]:
+    return {key: (placements_str(pl), n) for key, (pl, n) in _fold(params).items()}
+
+
+def _style_lines(rows: dict[str, tuple[tuple[str, ...], int]], dims: tuple[str, ...]) -> list[str]:
+    """The table of ``Plan.styles``: a module per row, a mesh dim per column, then its copies."""
+    if not rows:
+        return []
+    widths = [max(len(dim), *(len(labels[i]) for labels, _ in rows.values())) for i, dim in enumerate(dims)]
+
+    def line(module: str, cells: tuple[str, ...], copies: object) -> str:
+        return f"{module:<48} " + "  ".join(f"{c:<{w}}" for c, w in zip(cells, widths)) + f"  {copies}"
+
+    lines = ["", line("module (torchtitan style)", dims, "copies")]
+    lines += [line(module, labels, n) for module, (labels, n) in rows.items()]
+    if any(label not in STYLES for labels, _ in rows.values() for label in labels):
+        lines.append("(other cells: w = the weight as stored->as its op reads it, x = that op's activations)")
+    return lines
 
 
 def _placements_list(ps) -> list[str | None]:

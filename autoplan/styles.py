@@ -1,0 +1,124 @@
+"""A plan in the words of a hand-written ``parallelize_module`` plan, as torchtitan's ``parallelize_llama``
+writes one: per module and mesh dim, ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+``FSDP`` (``fully_shard``), ``DDP`` (``replicate``) or ``Replicate``, wherever the module's placements
+are what that style does, so a plan reads next to a hand-written one at a glance.
+
+A style is read from what the plan does with a module's weight, not from how it is stored alone: stored
+sharded and read sharded the same way by its matmul, the weight is tensor parallel (colwise when the
+output features are split, rowwise when the input features are); stored sharded but gathered for a
+matmul whose tokens are split on that mesh dim, it is FSDP. Anything else is shown as placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch.distributed.tensor import Replicate, Shard
+
+if TYPE_CHECKING:
+    from autoplan.plan import NodePlan, Placements
+
+COLWISE = "ColwiseParallel"
+ROWWISE = "RowwiseParallel"
+SEQUENCE = "SequenceParallel"
+FSDP = "FSDP"
+DDP = "DDP"
+REPLICATE = "Replicate"
+STYLES = (COLWISE, ROWWISE, SEQUENCE, FSDP, DDP, REPLICATE)
+
+_MATMULS = ("aten.mm.default", "aten.addmm.default")  # nn.Linear's forward: ``(addmm|mm)(..., x, t(w))``
+_EMBEDDING = "aten.embedding.default"  # ``embedding(w, indices)``
+_TRANSPOSE = "aten.t.default"
+
+
+@dataclass(frozen=True)
+class WeightUse:
+    """How a module's forward uses its weight, one placement per mesh dim: as stored, as the module's
+    op reads it (in the weight's own dims) and as the op's activations are split.
+
+    ``op`` is ``"matmul"`` (activations [tokens, in features]), ``"embedding"`` (activations: the
+    indices) or ``""`` for any other module (a norm: the activations are what its ops output, laid out
+    [batch, sequence, ...] as in a transformer, and the weight is read as they require)."""
+
+    op: str
+    stored: Placements
+    read: Placements | None = None  # None: no single op reads it (an elementwise module, or several ops)
+    data: Placements | None = None  # None: the module's ops disagree
+    out_dim: int = 0  # the weight's dim of output features: 0 for nn.Linear ([out, in]), 1 for embeddings
+
+
+def style(use: WeightUse, mesh_dim: int) -> str:
+    """The style of ``use`` on ``mesh_dim``, or its placements (``w S(0)->R, x R``: the weight stored
+    ``S(0)``, read ``R``, its op's activations ``R``) where no style does what the plan does."""
+    stored = use.stored[mesh_dim]
+    read = None if use.read is None else use.read[mesh_dim]
+    data = None if use.data is None else use.data[mesh_dim]
+    if use.op and read is not None:
+        if isinstance(read, Shard) and read == stored:
+            return COLWISE if read.dim == use.out_dim else ROWWISE
+        tokens_split = isinstance(data, Shard) and (data.dim == 0 or use.op == "embedding")
+        if read == Replicate() and tokens_split:
+            return FSDP if isinstance(stored, Shard) else DDP
+        if read == stored == data == Replicate():
+            return REPLICATE
+    elif not use.op and data is not None:
+        if data == Shard(1) and stored == Replicate():
+            return SEQUENCE
+        if data == Shard(0):  # the weight, broadcast over the batch, is read whole
+            return FSDP if isinstance(stored, Shard) else DDP
+        if data == stored == Replicate():
+            return REPLICATE
+    text = f"w {stored}" + (f"->{read}" if read is not None and read != stored else "")
+    return text + (f", x {data}" if data is not None else "")
+
+
+def weight_uses(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dict[str, WeightUse]:
+    """Module FQN -> how its forward uses its ``weight`` (or its only parameter); modules of several
+    parameters and none named ``weight``, and the root module's own parameters, are left out."""
+    by_module: dict[str, list[str]] = {}
+    for fqn in params:
+        module, _, _ = fqn.rpartition(".")
+        if module:
+            by_module.setdefault(module, []).append(fqn)
+    forward: dict[str, list[NodePlan]] = {m: [] for m in by_module}
+    for node in nodes:
+        if node.phase == "forward" and node.module in forward:
+            forward[node.module].append(node)
+    uses = {}
+    for module, fqns in by_module.items():
+        weight = f"{module}.weight" if f"{module}.weight" in fqns else fqns[0] if len(fqns) == 1 else None
+        if weight is not None:
+            uses[module] = _use(params[weight], forward[module])
+    return uses
+
+
+def module_styles(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dict[str, tuple[str, ...]]:
+    """Module FQN -> its style per mesh dim (``style``)."""
+    return {
+        module: tuple(style(use, d) for d in range(len(use.stored)))
+        for module, use in weight_uses(nodes, params).items()
+    }
+
+
+def _use(stored: Placements, forward: list[NodePlan]) -> WeightUse:
+    """The weight's use by the module's matmul or embedding (read unknown where its calls differ), else,
+    for an elementwise module, the placement all its computing ops output (unknown where they differ)."""
+    transposed = any(n.op == _TRANSPOSE for n in forward)
+    matmuls = {
+        (_transpose(n.inputs[-1]) if transposed else n.inputs[-1], n.inputs[-2]) for n in forward if n.op in _MATMULS
+    }
+    lookups = {(n.inputs[0], n.inputs[1]) for n in forward if n.op == _EMBEDDING}
+    if matmuls or lookups:
+        (read, data), *others = matmuls | lookups
+        unique = not others
+        op, out_dim = ("matmul", 0 if transposed else 1) if matmuls else ("embedding", 1)
+        return WeightUse(op, stored, read if unique else None, data if unique else None, out_dim)
+    outputs = {n.outputs[0] for n in forward if n.compute_s > 0 and n.outputs and n.outputs[0] is not None}
+    return WeightUse("", stored, data=outputs.pop() if len(outputs) == 1 else None)
+
+
+def _transpose(placements: Placements) -> Placements:
+    """A 2-D tensor's placements seen through ``t``: its dims 0 and 1 swap."""
+    return tuple(Shard(1 - p.dim % 2) if isinstance(p, Shard) else p for p in placements)

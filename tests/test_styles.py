@@ -1,0 +1,179 @@
+"""``Plan.styles``: a plan in the words of a hand-written ``parallelize_module`` plan (torchtitan's)."""
+
+import dataclasses
+from fnmatch import fnmatchcase
+
+import pytest
+import torch
+from conftest import fake_mesh
+from parallel_run import LLAMA_TP
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoplan import AutoParallel, Plan
+from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.plan import NodePlan
+from autoplan.styles import (
+    COLWISE,
+    DDP,
+    FSDP,
+    REPLICATE,
+    ROWWISE,
+    SEQUENCE,
+    WeightUse,
+    module_styles,
+    style,
+)
+from autoplan.tracing import PATH_KEY, PHASE_KEY
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+CFG = LLAMA3_CONFIGS["debug"]
+# How torch's ColwiseParallel and RowwiseParallel shard an nn.Linear weight ([out, in]) on their mesh dim
+TORCH_TP = {S0: COLWISE, S1: ROWWISE}
+
+
+def megatron_pins(traced) -> list:
+    """``LLAMA_TP``'s weights (stored split on dp, and on tp as Megatron splits them), and each of
+    their forward matmuls with its tokens split on dp and, on tp, computing what its style computes:
+    colwise its output features (``S(1)``), rowwise a partial sum over its split input features."""
+    pins = list(LLAMA_TP)
+    for n in traced.gm.graph.nodes:
+        if n.meta.get(PHASE_KEY) == "forward" and n.target == torch.ops.aten.mm.default:
+            for glob, (_, tp) in LLAMA_TP:
+                if fnmatchcase(n.meta.get(PATH_KEY, ""), glob.removesuffix(".weight")):
+                    pins.append((n.name, (S0, S1 if tp == S0 else Partial())))
+    return pins
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    """LLaMA debug on a (2, 4) ("dp", "tp") mesh, batch-split input and output, Megatron-pinned."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, CFG.vocab_size, (8, 16))) as ap:
+        ap.add_input_constraints([(S0, R)])
+        ap.add_output_constraints([(S0, R)])
+        for target, placements in megatron_pins(ap.traced):
+            ap.add_node_constraint(target, placements)
+        return ap.optimize_placement()
+
+
+def one_copy(module: str) -> str:
+    """A module's FQN for a row of ``Plan.styles`` (its first layer for a ``layers.*`` row)."""
+    return module.replace("layers.*", "layers.0")
+
+
+# ---- a planned model -----------------------------------------------------------------------------
+
+
+def test_a_megatron_plan_reads_as_fsdp_and_tensor_parallel(plan):
+    """The pinned linears: FSDP on dp (stored split there, their matmuls' tokens split there, so each
+    reads its weight whole) and, on tp, the torch style that shards the weight as pinned."""
+    styles = plan.styles()
+    expected = {}
+    for glob, (dp, tp) in LLAMA_TP:
+        assert dp == S0
+        for module in styles:
+            if fnmatchcase(module, glob.removesuffix(".weight")):
+                expected[module] = (FSDP, TORCH_TP[tp])
+    assert len(expected) == 7  # wq, wk, wv, wo, w1, w2, w3, every layer alike (no per-layer row)
+    assert {m: styles[m] for m in expected} == expected
+
+
+def test_every_other_module_is_named_as_its_weight_is_stored(plan):
+    """Modules the plan chose freely: a style's name agrees with how the weight is stored on that dim
+    (FSDP shards it, DDP, Replicate and SequenceParallel keep it whole); no style shows the placement."""
+    for module, labels in plan.styles().items():
+        stored = plan.param_placements[f"{one_copy(module)}.weight"]
+        for label, placement in zip(labels, stored):
+            if label in (FSDP, COLWISE, ROWWISE):
+                assert isinstance(placement, Shard), (module, labels)
+            elif label in (DDP, REPLICATE, SEQUENCE):
+                assert placement == R, (module, labels)
+            else:
+                assert label.startswith(f"w {placement}"), (module, labels)
+
+
+def test_summary_has_the_styles_table(plan):
+    lines = plan.summary().splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("module (torchtitan style)")))
+    assert lines[header].split()[-3:] == ["dp", "tp", "copies"]
+    table = lines[header + 1 : lines.index("", header)]
+    rows = {line.split()[0]: line.split()[1:] for line in table}
+    assert len(rows) == len(plan.styles())
+    for module, labels in plan.styles().items():
+        assert rows[module][:2] == list(labels)
+    assert rows["layers.*.attention.wq"] == [FSDP, COLWISE, str(CFG.n_layers)]
+    unnamed = dataclasses.replace(plan, mesh_dim_names=None).summary().splitlines()
+    assert unnamed[header].split()[-3:] == ["d0", "d1", "copies"]
+
+
+def test_styles_come_back_from_json(plan):
+    again = Plan.from_json(plan.to_json())
+    assert again.styles() == plan.styles()
+    assert again.summary() == plan.summary()
+
+
+# ---- the rules on hand-made placements -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "use, expected",
+    [
+        (WeightUse("matmul", (S0,), (S0,), (R,)), COLWISE),
+        (WeightUse("matmul", (S1,), (S1,), (S1,)), ROWWISE),
+        (WeightUse("matmul", (S0,), (R,), (S0,)), FSDP),
+        (WeightUse("matmul", (S1,), (R,), (S0,)), FSDP),
+        (WeightUse("matmul", (R,), (R,), (S0,)), DDP),
+        (WeightUse("matmul", (R,), (R,), (R,)), REPLICATE),
+        # gathered, but every rank computes the same tokens: sharded storage alone, no style
+        (WeightUse("matmul", (S0,), (R,), (R,)), "w S(0)->R, x R"),
+        # sliced where it is read but stored whole: torch's ColwiseParallel stores the shard
+        (WeightUse("matmul", (R,), (S0,), (R,)), "w R->S(0), x R"),
+        (WeightUse("matmul", (S0,), (S1,), (S1,)), "w S(0)->S(1), x S(1)"),
+        # a weight stored [in, out] (``x @ w``): its output features are its dim 1
+        (WeightUse("matmul", (S1,), (S1,), (R,), out_dim=1), COLWISE),
+        (WeightUse("embedding", (S0,), (S0,), (R,), out_dim=1), ROWWISE),
+        (WeightUse("embedding", (S1,), (S1,), (R,), out_dim=1), COLWISE),
+        (WeightUse("embedding", (R,), (R,), (S1,), out_dim=1), DDP),
+        (WeightUse("", (R,), data=(S1,)), SEQUENCE),
+        (WeightUse("", (S0,), data=(S0,)), FSDP),
+        (WeightUse("", (R,), data=(S0,)), DDP),
+        (WeightUse("", (R,), data=(R,)), REPLICATE),
+        (WeightUse("", (S0,), data=(S1,)), "w S(0), x S(1)"),
+        (WeightUse("", (R,)), "w R"),
+    ],
+)
+def test_style_of_one_mesh_dim(use, expected):
+    assert style(use, 0) == expected
+
+
+def test_each_mesh_dim_has_its_own_style():
+    use = WeightUse("matmul", (S0, S0), (R, S0), (S0, R))
+    assert (style(use, 0), style(use, 1)) == (FSDP, COLWISE)
+
+
+def node(name: str, op: str, module: str, inputs: tuple, outputs: tuple, compute_s: float = 1e-6) -> NodePlan:
+    return NodePlan(name, f"aten.{op}.default", module, "forward", outputs, inputs, compute_s)
+
+
+def test_a_linear_is_read_through_its_transpose():
+    """``nn.Linear`` runs ``mm(x, t(w))``: the matmul's ``S(1)`` is the weight's dim 0, its output
+    features; a module multiplying by its weight as stored (``x @ w``, [in, out]) reads it directly."""
+    linear = [
+        node("t", "t", "fc", ((S0, S0),), ((S1, S1),), 0.0),
+        node("mm", "mm", "fc", ((S0, R), (R, S1)), ((S0, S1),)),
+        node("mm_bwd", "mm", "fc", ((S0, R), (R, R)), ((S0, R),)),
+    ]
+    linear[2] = dataclasses.replace(linear[2], phase="backward")  # only the forward reads count
+    plain = [node("mm_1", "mm", "proj", ((S0, R), (R, S1)), ((S0, S1),))]
+    params = {"fc.weight": (S0, S0), "proj.weight": (S0, S1), "norm.weight": (R, R)}
+    norm = [
+        node("mul", "mul", "norm", ((S0, S1), (R, R)), ((S0, S1),)),
+        node("a", "alias", "norm", ((R, R),), ((R, R),), 0.0),
+    ]
+    assert module_styles(linear + plain + norm, params) == {
+        "fc": (FSDP, COLWISE),
+        "proj": (FSDP, COLWISE),
+        "norm": (DDP, SEQUENCE),
+    }
