@@ -100,7 +100,7 @@ def run_plan(args: argparse.Namespace) -> dict:
         "wall_s": wall,
         "phases_s": plan.timings | {"apply": applied["apply_s"]},
         "layers_stamped": ap.traced.stamped,
-        "ilp": plan.ilp,
+        "ilp": plan.ilp.to_dict(),
         "objective_s": plan.cost.total,
         "cap_gib": getattr(args, "cap", None),
         "estimated_peak_bytes": plan.memory.peak_bytes,

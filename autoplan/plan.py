@@ -16,6 +16,7 @@ from pathlib import Path
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.reports import IlpReport, SolverReport
 from autoplan.styles import STYLES, module_styles
 
 Placements = tuple[Placement, ...]
@@ -154,8 +155,8 @@ class Plan:
     cost: CostBreakdown
     memory: MemoryReport
     redistributions: list[Redistribution]
-    solver: dict
-    ilp: dict
+    solver: SolverReport
+    ilp: IlpReport
     timings: dict[str, float]
     layer_classes: list[list[str]] = field(default_factory=list)
     passes: dict[str, int] = field(default_factory=dict)  # what the post-solve passes did when applied
@@ -351,8 +352,8 @@ class Plan:
                 )
                 for r in d["redistributions"]
             ],
-            solver=d["solver"],
-            ilp=d["ilp"],
+            solver=SolverReport.from_dict(d["solver"]),
+            ilp=IlpReport.from_dict(d["ilp"]),
             timings=d["timings"],
             layer_classes=d["layer_classes"],
             passes=d.get("passes", {}),

@@ -36,6 +36,7 @@ from autoplan.problem import (
     build_problem,
     forward_costs,
 )
+from autoplan.reports import IlpReport, Refinement, SolverReport
 from autoplan.strategies import NodeStrategies, Placements, Strategy
 from autoplan.tracing import TracedGraph
 from solvers import OPTIMALITY_GAP, InfeasibleError, SolveOptions, SolverTimeoutError
@@ -504,20 +505,20 @@ class Planner:
             cost=cost,
             memory=report,
             redistributions=ev.redistributions,
-            solver=solved.result.to_dict() | {"x": None},
-            ilp={
-                "n_vars": solved.n_vars,
-                "n_rows": solved.n_rows,
-                "n_edge_vars": solved.n_edge_vars,
-                "n_dropped_strategies": solved.n_dropped,
-                "n_units": len(problem.units),
-                "n_merged": problem.n_merged,
-                "n_clustered": clustering.n_clustered,
-                "n_nodes": len(tg.gm.graph.nodes),
-                "n_peak_steps": len(steps),
-                "objective": objective,
-                "refinements": refinements,
-            },
+            solver=SolverReport.of(solved.result),
+            ilp=IlpReport(
+                n_vars=solved.n_vars,
+                n_rows=solved.n_rows,
+                n_edge_vars=solved.n_edge_vars,
+                n_dropped_strategies=solved.n_dropped,
+                n_units=len(problem.units),
+                n_merged=problem.n_merged,
+                n_clustered=clustering.n_clustered,
+                n_nodes=len(tg.gm.graph.nodes),
+                n_peak_steps=len(steps),
+                objective=objective,
+                refinements=refinements,
+            ),
             timings=timings,
             layer_classes=[list(c) for c in clustering.classes],
             recompute=dict(sorted(choice.items(), key=lambda kv: _layer_key(kv[0]))),
@@ -598,15 +599,15 @@ def _rerun_seconds(ev, rerun: frozenset[fx.Node], tg: TracedGraph) -> float:
     return compute + sum(r.seconds for r in ev.redistributions if r.consumer in names and r.producer not in resident)
 
 
-def _refinement(group: tuple[str, ...], step, gain: float, kept: bool) -> dict:
+def _refinement(group: tuple[str, ...], step, gain: float, kept: bool) -> Refinement:
     """What re-solving one boundary group found (``gain``: seconds saved)."""
-    return {
-        "layers": list(group),
-        "n_vars": step.n_vars,
-        "n_rows": step.n_rows,
-        "status": step.result.status.value,
-        "gap": step.result.gap,
-        "solve_s": step.build_time + step.solve_time,
-        "gain_s": gain,
-        "kept": kept,
-    }
+    return Refinement(
+        layers=list(group),
+        n_vars=step.n_vars,
+        n_rows=step.n_rows,
+        status=step.result.status.value,
+        gap=step.result.gap,
+        solve_s=step.build_time + step.solve_time,
+        gain_s=gain,
+        kept=kept,
+    )

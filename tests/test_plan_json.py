@@ -76,6 +76,47 @@ def test_json_is_plain_readable_data(plan):
     assert d["cost"]["compute_forward"] == plan.cost.compute_forward
 
 
+def test_solver_and_ilp_reports_are_typed_and_save_as_the_dicts_they_replaced(plan):
+    """``plan.solver`` and ``plan.ilp`` are typed reports; their JSON holds the keys, in order,
+    that the plain dicts held, a plan saved without timings loads, and both still read like dicts."""
+    import dataclasses
+
+    from autoplan.reports import IlpReport, Refinement, SolverReport
+
+    # the debug model's two layers have no boundary to re-solve: one re-solve's report is added
+    one = Refinement(["layers.0"], 10, 5, "optimal", 0.0, solve_s=0.5, gain_s=1e-6, kept=True)
+    plan = dataclasses.replace(plan, ilp=dataclasses.replace(plan.ilp, refinements=[one]))
+    assert isinstance(plan.solver, SolverReport) and isinstance(plan.ilp, IlpReport)
+    d = json.loads(plan.to_json())
+    assert list(d["solver"]) == ["status", "objective", "bound", "gap", "x", "backend", "lp_was_integral"] + [
+        "build_time",
+        "solve_time",
+        "n_vars",
+        "n_rows",
+        "n_nonzeros",
+        "n_integer",
+    ]
+    assert list(d["ilp"]) == ["n_vars", "n_rows", "n_edge_vars", "n_dropped_strategies", "n_units", "n_merged"] + [
+        "n_clustered",
+        "n_nodes",
+        "n_peak_steps",
+        "objective",
+        "refinements",
+    ]
+    assert list(d["ilp"]["refinements"][0]) == ["layers", "n_vars", "n_rows", "status", "gap", "solve_s"] + [
+        "gain_s",
+        "kept",
+    ]
+    assert Plan.from_json(plan.to_json()) == plan
+    untimed = Plan.from_json(plan.to_json(timings=False))
+    assert untimed.to_json(timings=False) == plan.to_json(timings=False)
+    assert untimed.ilp.refinements[0].layers == ["layers.0"] and untimed.ilp.refinements[0].kept
+    assert plan.solver["gap"] == plan.solver.gap and plan.ilp.get("n_vars") == plan.ilp.n_vars
+    assert plan.ilp.get("no such field", "absent") == "absent"
+    with pytest.raises(KeyError):
+        plan.solver["no such field"]
+
+
 # ---- planning ----------------------------------------------------------------------------------
 
 
