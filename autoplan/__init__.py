@@ -1,7 +1,7 @@
 """autoplan: plan and run a PyTorch training step over an N-D device mesh."""
 
 from autoplan.api import AutoParallel
-from autoplan.devices import DEVICE_PROFILES, H100_SXM, DeviceProfile
+from autoplan.cost.devices import DEVICE_PROFILES, H100_SXM, DeviceProfile
 from autoplan.errors import (
     AutoplanError,
     ConstraintError,

@@ -17,31 +17,33 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
-from autoplan import memory, mismatch, recompute
 from autoplan.adapters.pytree import tree_flatten
-from autoplan.attention import check_option as check_attention_option
-from autoplan.clustering import Clustering, find_repeats, unclustered
-from autoplan.compile import RegionStats, compile_regions
-from autoplan.constraints import Pin, placement_error
-from autoplan.costs import CostModel
-from autoplan.devices import H100_SXM, DeviceProfile, resolve_profile
+from autoplan.cost import memory
+from autoplan.cost.costs import CostModel
+from autoplan.cost.devices import H100_SXM, DeviceProfile, resolve_profile
 from autoplan.errors import ConstraintError
 from autoplan.heap import collector_paused
-from autoplan.inputs import InputSpec, TensorInput
-from autoplan.lowering import lower
-from autoplan.passes import alias_roundtrip
-from autoplan.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
+from autoplan.lower.lowering import lower
+from autoplan.lower.passes import alias_roundtrip
+from autoplan.lower.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
 from autoplan.plan import Plan, placements_str
-from autoplan.planner import DEFAULT_GAP, NO_RECOMPUTE, Planner, Request
-from autoplan.runtime import build_parallel_module, make_executor
-from autoplan.strategies import (
+from autoplan.run.compile import RegionStats, compile_regions
+from autoplan.run.runtime import build_parallel_module, make_executor
+from autoplan.shard.constraints import Pin, placement_error
+from autoplan.shard.strategies import (
     Placements,
     StrategyBuilder,
     enumerate_strategies,
     output_vals,
 )
-from autoplan.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
-from autoplan.uneven import fsdp_bytes
+from autoplan.shard.uneven import fsdp_bytes
+from autoplan.solve import mismatch
+from autoplan.solve.planner import DEFAULT_GAP, NO_RECOMPUTE, Planner, Request
+from autoplan.trace import recompute
+from autoplan.trace.attention import check_option as check_attention_option
+from autoplan.trace.clustering import Clustering, find_repeats, unclustered
+from autoplan.trace.inputs import InputSpec, TensorInput
+from autoplan.trace.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 from solvers import SolveOptions
 
 log = logging.getLogger(__name__)  # under "autoplan": the command's --verbose shows it
@@ -129,7 +131,7 @@ class AutoParallel:
 
     Use as a context manager: entering traces the model (on fake tensors) and enumerates
     strategies, constraints are then added, and ``optimize_placement`` solves the ILP.
-    ``input_fn()`` gives the example call of ``forward`` (``autoplan.inputs``): a tensor, a tuple or
+    ``input_fn()`` gives the example call of ``forward`` (``autoplan.trace.inputs``): a tensor, a tuple or
     list of positional arguments, a dict of keyword arguments, or an ``(args_tuple, kwargs_dict)``
     pair; its tensors are the graph's inputs, and ``None`` and Python numbers in it are constants
     baked into the plan. The parallel module is called the same way, with the same constants.
@@ -257,7 +259,7 @@ class AutoParallel:
         """Placements of the model inputs: a list in ``input_fn()`` order (``None`` leaves one free), or a
         dict keyed by position in that order or by argument name: the parameter of ``forward`` an input
         binds to, however ``input_fn`` passed it (``{"input_ids": (Shard(0), Replicate())}``), with the
-        path inside a nested argument (``"batch['mask']"``; ``autoplan.inputs``). Constants (``None``,
+        path inside a nested argument (``"batch['mask']"``; ``autoplan.trace.inputs``). Constants (``None``,
         Python numbers) hold a position but take no placement."""
         inputs = self._require_traced().placeholder_for("input")
         spec = self.traced.inputs or InputSpec.positional([inputs[i].meta["val"] for i in range(len(inputs))])
@@ -383,12 +385,12 @@ class AutoParallel:
     ) -> None:
         """Cap per-device memory: ``bytes_per_device`` bounds the estimated peak of a training step
         (parameters, gradients, optimizer states, saved activations and temporaries, see
-        ``autoplan.memory``); ``param_fraction`` (of the whole model's) or ``param_bytes`` bound the
+        ``autoplan.cost.memory``); ``param_fraction`` (of the whole model's) or ``param_bytes`` bound the
         parameter bytes alone. Each call replaces the caps it names.
 
         ``param_fraction=1/N`` means what FSDP stores on N ranks: every parameter split N ways on
         some dim, ceil(n/N) rows per rank where the dim does not divide (the largest shard of an
-        uneven split, ``autoplan.uneven``), so a mesh of N ranks always meets it. Other fractions
+        uneven split, ``autoplan.shard.uneven``), so a mesh of N ranks always meets it. Other fractions
         ``f`` allow the larger of ``f`` of the model's bytes and that sum for N = ceil(1/f)."""
         if param_fraction is None and bytes_per_device is None and param_bytes is None:
             raise ConstraintError("give bytes_per_device (the step's peak), or param_fraction or param_bytes")
@@ -539,7 +541,7 @@ class AutoParallel:
         return self._planner_obj
 
     def optimize_placement(self, start: Plan | None = None) -> Plan:
-        """Solve for the cheapest plan under the constraints added so far (``autoplan.planner``).
+        """Solve for the cheapest plan under the constraints added so far (``autoplan.solve.planner``).
 
         ``start``, a plan of this model and mesh (one solved under other constraints, or loaded
         from JSON) that meets the current constraints, is where the solver begins: the plan found

@@ -41,7 +41,7 @@ def _placements(spec: str, ndim: int, what: str) -> tuple:
 def _workload(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple:
     """The model, its input function and default I/O placements (batch split over the first mesh dim
     for the named LLaMA models, none for a user factory)."""
-    from autoplan.workloads import llama_batch, llama_model, load_factory
+    from autoplan.bench.workloads import llama_batch, llama_model, load_factory
 
     if ":" in args.model:
         model, input_fn = load_factory(args.model)
@@ -53,7 +53,7 @@ def _workload(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autoplan import AutoParallel
-    from autoplan.workloads import fake_mesh, parse_mesh
+    from autoplan.bench.workloads import fake_mesh, parse_mesh
 
     try:  # every argument checked before the (long) planning starts
         if args.cap is not None and not args.cap > 0:
@@ -112,7 +112,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``autoplan`` command's arguments (also what the README's commands are checked against)."""
-    from autoplan.devices import DEVICE_PROFILES
+    from autoplan.cost.devices import DEVICE_PROFILES
 
     parser = argparse.ArgumentParser(prog="autoplan", description="Plan how to split a PyTorch training step.")
     common = argparse.ArgumentParser(add_help=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoplan.reports import IlpReport, SolverReport
+from autoplan.solve.reports import IlpReport, SolverReport
 from autoplan.styles import STYLES, module_styles
 
 Placements = tuple[Placement, ...]
@@ -108,7 +108,7 @@ class CostBreakdown:
     comm_forward: float
     comm_backward: float
     recompute: float = 0.0  # forward ops the backward runs again (compute and input moves)
-    hidden_comm: float = 0.0  # communication that runs under compute (``autoplan.overlap``)
+    hidden_comm: float = 0.0  # communication that runs under compute (``autoplan.cost.overlap``)
     ideal_compute: float = 0.0  # the step's model FLOPs at the devices' peak rate, spread over all of them
 
     @property
@@ -131,7 +131,7 @@ class CostBreakdown:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Per-device bytes of one training step (``autoplan.memory``): parameters, gradients, optimizer
+    """Per-device bytes of one training step (``autoplan.cost.memory``): parameters, gradients, optimizer
     states, the activations saved for backward, and the peak of the step with what is alive then."""
 
     param_bytes: int
@@ -160,7 +160,7 @@ class Plan:
     timings: dict[str, float]
     layer_classes: list[list[str]] = field(default_factory=list)
     passes: dict[str, int] = field(default_factory=dict)  # what the post-solve passes did when applied
-    recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute option (``autoplan.recompute``)
+    recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute option (``autoplan.trace.recompute``)
     # module -> forward ops the model's own checkpointing (``torch.utils.checkpoint``) reruns in backward
     checkpointed: dict[str, int] = field(default_factory=dict)
     # per layer and phase: the compute its prefetches and gradient reductions can hide under, s

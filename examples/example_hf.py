@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.workloads import fake_mesh, parse_mesh
+from autoplan.bench.workloads import fake_mesh, parse_mesh
 
 VOCAB, BATCH, SEQ = 256, 8, 16
 _DECODER = dict(

@@ -38,10 +38,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel
-from autoplan.devices import DEVICE_PROFILES
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.bench.workloads import fake_mesh, llama_batch, parse_mesh
+from autoplan.cost.devices import DEVICE_PROFILES
 from autoplan.errors import AutoplanError
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.workloads import fake_mesh, llama_batch, parse_mesh
 from solvers import InfeasibleError, SolverTimeoutError
 
 EXECUTE_MESH, EXECUTE_BATCH, EXECUTE_SEQ, EXECUTE_STEPS = (2, 2), 8, 32, 5

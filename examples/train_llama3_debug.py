@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.errors import AutoplanError
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
 from solvers import InfeasibleError, SolverTimeoutError
 
 

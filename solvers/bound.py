@@ -6,7 +6,7 @@ For a box-bounded model, every row multiplier ``y`` gives the Lagrangian bound
     d = c - A^T y,
 
 valid whatever ``y`` is, once each multiplier has the sign its row's finite side allows: it costs one
-product with the matrix, and good multipliers (``autoplan.certify`` finds them from a placement
+product with the matrix, and good multipliers (``autoplan.solve.certify`` finds them from a placement
 ILP's structure) bring it close to the LP bound. On a model ``tightened`` first it bounds the integer
 optimum, and may then exceed the LP bound.
 """

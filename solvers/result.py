@@ -72,7 +72,7 @@ class SolveResult:
 @dataclass(frozen=True)
 class SolveOptions:
     """Every knob of a solve, as one value carried from ``AutoParallel`` through the planner and
-    ``autoplan.ilp`` down to ``solve``: a new knob is one field here. Each layer reads its own and
+    ``autoplan.solve.ilp`` down to ``solve``: a new knob is one field here. Each layer reads its own and
     passes the rest on (a layer that varies one for a call replaces it in a copy).
 
     ``solve`` reads: ``backend`` ("highs", "cbc" or "auto"), ``time_limit`` (seconds, ``None``: no
@@ -80,7 +80,7 @@ class SolveOptions:
     ``lp_first`` (the LP relaxation before any MIP), ``diagnose`` (name the conflicting groups of
     an infeasible model), ``keep_start`` (a start good enough is kept, the rounding untried),
     ``verbose`` (the backend's own log) and ``log`` (a long MIP's progress at INFO).
-    ``autoplan.ilp`` reads: ``polish_s`` (seconds the full MIP may spend improving a seed plan; 0:
+    ``autoplan.solve.ilp`` reads: ``polish_s`` (seconds the full MIP may spend improving a seed plan; 0:
     the seed as it is) and ``seed_only`` (no full MIP when no seed is found)."""
 
     backend: str = "highs"

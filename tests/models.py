@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoplan.models.llama3 import LlamaConfig, TransformerBlock, rope_tables
+from autoplan.bench.models.llama3 import LlamaConfig, TransformerBlock, rope_tables
 
 
 class MLP(nn.Module):

@@ -9,8 +9,8 @@ import torch
 from conftest import expected_on_cpu
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from autoplan.collectives import collective_kind, is_c10d
-from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
+from autoplan.lower.collectives import collective_kind, is_c10d
+from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 IO = (S0, R)  # batch-sharded inputs and outputs
@@ -49,7 +49,7 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 def make(name: str, batch_rows: int = 4):
     from models import MLP, Corners, SelfAttention, TiedLM, WeightNormMLP
 
-    from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+    from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 
     if name in ("llama", "llama4", "llama8"):  # llama8: deep enough that tracing stamps its layers
         cfg = LLAMA3_CONFIGS["debug"]
@@ -130,13 +130,13 @@ def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = 
 def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t) -> dict:
     """The same three steps on the parallel module; ``plain`` turns a replicated value into a plain
     tensor (the identity on a real rank, a consistency check across simulated ranks)."""
-    import autoplan.compile
+    import autoplan.run.compile
 
     pmod.to_empty(device="cpu")
     if hasattr(pmod, "init_weights"):
         pmod.init_weights()
     pmod.load_state_dict(ref.initial_state)
-    run = torch.compile(pmod, backend=autoplan.compile.backend()) if compiled else pmod
+    run = torch.compile(pmod, backend=autoplan.run.compile.backend()) if compiled else pmod
     opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
     return_dtensor = pmod._autoplan.return_dtensor
     losses, grads_ok = [], {}
@@ -212,8 +212,8 @@ def round_trip_pins(traced) -> list:
     the next residual add wants the add's own placement back, a round trip the pass removes."""
     import re
 
-    from autoplan.passes.alias_roundtrip import ALIAS_KEY
-    from autoplan.tracing import PATH_KEY, PHASE_KEY
+    from autoplan.lower.passes.alias_roundtrip import ALIAS_KEY
+    from autoplan.trace.tracing import PATH_KEY, PHASE_KEY
 
     pins = []
     for n in traced.gm.graph.nodes:

@@ -10,7 +10,7 @@ from conftest import fake_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 
 if __name__ == "__main__":
     cfg = dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=3)

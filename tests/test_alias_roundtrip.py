@@ -8,13 +8,13 @@ from conftest import fake_mesh
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Replicate, Shard
 
-from autoplan.clustering import find_repeats
-from autoplan.costs import H100_SXM, CostModel
-from autoplan.evaluate import reprice
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.passes.alias_roundtrip import ALIAS, ALIAS_KEY, insert_aliases, remove_round_trips, rewire_aliases
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.cost.costs import H100_SXM, CostModel
+from autoplan.lower.passes.alias_roundtrip import ALIAS, ALIAS_KEY, insert_aliases, remove_round_trips, rewire_aliases
 from autoplan.plan import CostBreakdown, MemoryReport, NodePlan, Plan
-from autoplan.tracing import PHASE_KEY, TracedGraph, trace_joint
+from autoplan.solve.evaluate import reprice
+from autoplan.trace.clustering import find_repeats
+from autoplan.trace.tracing import PHASE_KEY, TracedGraph, trace_joint
 
 aten = torch.ops.aten
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

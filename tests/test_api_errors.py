@@ -19,8 +19,8 @@ from autoplan import (
     UnsupportedOpError,
 )
 from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.strategies import output_vals, tensor_inputs
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.shard.strategies import output_vals, tensor_inputs
 from solvers import InfeasibleError
 
 aten = torch.ops.aten
@@ -255,7 +255,7 @@ def test_models_already_distributed_are_refused(mesh):
 def test_only_parameters_are_split_unevenly():
     """Batch 30 on 4 ranks and a 50257-token vocabulary on 8: an input or an op's value split
     unevenly is refused, naming the dim and the ways. A parameter may be stored split unevenly
-    (``autoplan.uneven``), but every op of the plan still reads and makes even shards."""
+    (``autoplan.shard.uneven``), but every op of the plan still reads and makes even shards."""
     mesh = fake_mesh((4,), ("dp",))
     with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(30, 8)) as ap:
         with pytest.raises(ConstraintError, match=r"dim 0 of shape \(30, 8\) \(size 30\) cannot be split 4 ways"):
@@ -282,15 +282,15 @@ def test_a_plan_the_solver_stopped_on_warns_with_its_gap(monkeypatch, mesh):
     reporting the real solve's result so), the plan comes back and a warning gives the gap."""
     import dataclasses
 
-    import autoplan.planner
+    import autoplan.solve.planner
 
-    real = autoplan.planner.solve_placement
+    real = autoplan.solve.planner.solve_placement
 
     def stopped_early(*args, **kwargs):
         out = real(*args, **kwargs)
         return dataclasses.replace(out, result=dataclasses.replace(out.result, gap=0.05))
 
-    monkeypatch.setattr(autoplan.planner, "solve_placement", stopped_early)
+    monkeypatch.setattr(autoplan.solve.planner, "solve_placement", stopped_early)
     with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8), time_limit=30.0) as ap:
         with pytest.warns(UserWarning, match=r"stopped at time_limit=30.0 s .* within 5.00% of its bound"):
             plan = ap.optimize_placement()

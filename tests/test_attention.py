@@ -14,11 +14,12 @@ from torch import nn
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoplan import AutoParallel, attention
-from autoplan.flops import node_flops
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.strategies import StrategyBuilder, enumerate_strategies
-from autoplan.tracing import trace_joint
+from autoplan import AutoParallel
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.cost.flops import node_flops
+from autoplan.shard.strategies import StrategyBuilder, enumerate_strategies
+from autoplan.trace import attention
+from autoplan.trace.tracing import trace_joint
 
 aten = torch.ops.aten
 R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)

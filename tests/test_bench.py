@@ -8,7 +8,7 @@ import torch
 from conftest import init_fake_world
 
 from autoplan.bench import main
-from autoplan.collective_free import collective_free
+from autoplan.bench.collective_free import collective_free
 
 c10d = torch.ops._c10d_functional
 

@@ -236,7 +236,7 @@ def test_progress_bars_only_on_a_terminal(monkeypatch):
 def test_tracing_counts_module_calls_on_a_terminal(monkeypatch):
     import io
 
-    from autoplan.tracing import trace_joint
+    from autoplan.trace.tracing import trace_joint
 
     terminal = io.StringIO()
     terminal.isatty = lambda: True

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoplan.clustering import find_repeats
-from autoplan.tracing import trace_joint
+from autoplan.trace.clustering import find_repeats
+from autoplan.trace.tracing import trace_joint
 
 
 class _Layer(nn.Module):

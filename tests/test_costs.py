@@ -10,11 +10,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.adapters.dtensor import redistribute_steps, tensor_meta
-from autoplan.costs import CostModel, UnsupportedRedistribution, local_bytes, local_shape
-from autoplan.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, resolve_profile
+from autoplan.cost.costs import CostModel, UnsupportedRedistribution, local_bytes, local_shape
+from autoplan.cost.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, resolve_profile
+from autoplan.cost.flops import node_flops
+from autoplan.cost.network import GroupSpan, MeshTopology, collective_seconds, flat_collective_seconds
 from autoplan.errors import ConstraintError
-from autoplan.flops import node_flops
-from autoplan.network import GroupSpan, MeshTopology, collective_seconds, flat_collective_seconds
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -9,12 +9,12 @@ from parallel_run import FSDP, MLP_TP, plan_and_apply
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
-import autoplan.lowering
-from autoplan.collectives import is_c10d_collective as is_collective
-from autoplan.lowering import LoweringError
-from autoplan.passes.contiguity import contiguous_by_construction, make_collective_inputs_contiguous
-from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
-from autoplan.validate import GraphCheckError, check_lowered, host_only
+import autoplan.lower.lowering
+from autoplan.lower.collectives import is_c10d_collective as is_collective
+from autoplan.lower.lowering import LoweringError
+from autoplan.lower.passes.contiguity import contiguous_by_construction, make_collective_inputs_contiguous
+from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY
+from autoplan.lower.validate import GraphCheckError, check_lowered, host_only
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -123,7 +123,7 @@ def test_collective_inputs_are_contiguous_at_run_time(fsdp_mlp):
 def test_lower_runs_the_check(monkeypatch):
     """Without the contiguity step, lowering itself rejects its graph, naming the collective."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
-    monkeypatch.setattr(autoplan.lowering, "make_collective_inputs_contiguous", lambda graph: None)
+    monkeypatch.setattr(autoplan.lower.lowering, "make_collective_inputs_contiguous", lambda graph: None)
     with pytest.raises(LoweringError, match=NOT_CONTIGUOUS):
         plan_and_apply(mesh, "mlp", MLP_TP, batch_rows=8)
 

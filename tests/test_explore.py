@@ -10,8 +10,8 @@ from parallel_run import IO, LLAMA_TP, make
 from torch.distributed.tensor import Replicate
 
 from autoplan import AutoParallel, Plan
-from autoplan.costs import CostModel
-from autoplan.evaluate import reprice
+from autoplan.cost.costs import CostModel
+from autoplan.solve.evaluate import reprice
 
 W1 = "layers.*.feed_forward.w1"
 

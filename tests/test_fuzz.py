@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan import AutoParallel, AutoplanError
-from autoplan.models.llama3 import LlamaConfig
+from autoplan.bench.models.llama3 import LlamaConfig
 
 MESHES = [(2,), (4,), (2, 2), (2, 4)]
 FUZZ = settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

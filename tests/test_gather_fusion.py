@@ -7,7 +7,7 @@ from conftest import fake_mesh
 from gloo import run_gloo
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoplan.passes.gather_fusion import fuse_gather_chains
+from autoplan.lower.passes.gather_fusion import fuse_gather_chains
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten

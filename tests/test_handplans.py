@@ -9,8 +9,8 @@ from conftest import fake_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.handplans import compare_plans, fit_to_shapes, hand_plan_pins, hand_plans
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.bench.handplans import compare_plans, fit_to_shapes, hand_plan_pins, hand_plans
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 
 R, S0 = Replicate(), Shard(0)
 

@@ -4,9 +4,9 @@ import numpy as np
 import torch.fx as fx
 from conftest import fake_mesh
 
-from autoplan.clustering import Clustering
-from autoplan.ilp import BudgetRow, FixedRows, solve_placement, undominated
-from autoplan.problem import EdgeGroup, PlacementProblem, _changes
+from autoplan.solve.ilp import BudgetRow, FixedRows, solve_placement, undominated
+from autoplan.solve.problem import EdgeGroup, PlacementProblem, _changes
+from autoplan.trace.clustering import Clustering
 
 
 def two_units(cost_a, cost_b, edge_cost, src_label, dst_label):
@@ -61,8 +61,8 @@ def test_constraints_keep_strategies_they_distinguish():
 def test_the_least_value_of_a_linear_sums_each_units_least_choice():
     """The rows ``w >= least * r`` price a fractional recompute option only if ``least`` is the true
     minimum; clamping it at zero made them no-ops."""
-    from autoplan.ilp import _terms
-    from autoplan.problem import Linear
+    from autoplan.solve.ilp import _terms
+    from autoplan.solve.problem import Linear
 
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
@@ -81,7 +81,7 @@ def test_the_tie_break_marks_exactly_the_pairs_whose_placements_differ():
     present on one side only."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from autoplan.costs import CostModel
+    from autoplan.cost.costs import CostModel
 
     srcs = [(Shard(0), Replicate()), (Replicate(), Replicate()), (Partial(), Shard(1))]
     dsts = [[Replicate(), Replicate()], (Shard(1), Shard(1)), (Shard(0), Replicate())]

@@ -17,8 +17,8 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel, ConstraintError, InputMismatchError
-from autoplan.inputs import split_call
-from autoplan.tracing import trace_joint
+from autoplan.trace.inputs import split_call
+from autoplan.trace.tracing import trace_joint
 
 RANKS = 8
 R, S0 = Replicate(), Shard(0)

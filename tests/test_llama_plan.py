@@ -14,8 +14,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoplan import AutoParallel
 from autoplan.adapters.dtensor import make_spec, propagate_output_placements, tensor_meta
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.strategies import _OWN_RULES
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.shard.strategies import _OWN_RULES
 
 R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
 BATCH, SEQ = 8, 16
@@ -72,8 +72,8 @@ def test_reported_cost_is_the_expanded_cost(llama):
 def test_a_3d_plan_costs_what_its_ilp_says_and_its_re_solves_keep_their_start():
     """LLaMA-3 debug (4 layers) on a (2, 2, 2) mesh: the reduced ILP's objective is the expanded
     plan's cost, and priced again from scratch it is the same; the boundary re-solves ran."""
-    from autoplan.costs import CostModel
-    from autoplan.evaluate import reprice
+    from autoplan.cost.costs import CostModel
+    from autoplan.solve.evaluate import reprice
 
     mesh = fake_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
     with torch.device("meta"):
@@ -133,10 +133,10 @@ def test_boundary_layers_are_re_solved_on_their_own(four_layers_budget):
 
 def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
     """A boundary re-solve starts from the main plan, usually its best already. A Lagrangian bound
-    found from the re-solve's own structure (``autoplan.certify``) proves that within the gap, so
+    found from the re-solve's own structure (``autoplan.solve.certify``) proves that within the gap, so
     its LP never runs; and the bound is a true one, never above that LP's optimum."""
-    import autoplan.certify as certify_module
-    import autoplan.ilp as ilp_module
+    import autoplan.solve.certify as certify_module
+    import autoplan.solve.ilp as ilp_module
     from solvers.highs_backend import solve_highs
     from solvers.result import SolverOptions
 
@@ -182,7 +182,7 @@ def test_a_main_solve_without_a_start_screens_its_lp_and_finds_the_same_optimum(
     runs on fewer columns, and the plan costs what the whole model's optimum costs."""
     import importlib
 
-    import autoplan.ilp as ilp_module
+    import autoplan.solve.ilp as ilp_module
 
     solve_module = importlib.import_module("solvers.solve")
     real, lps = solve_module._BACKENDS["highs"], []
@@ -242,7 +242,7 @@ def test_boundary_re_solves_run_one_after_another_against_the_plan_so_far(monkey
     """The boundary layers are re-solved in turn: when one is kept, the next is solved against the
     plan it left, each once. The first re-solve is made to look like a gain here (its true cost is
     then reported, with a warning)."""
-    import autoplan.planner as planner_module
+    import autoplan.solve.planner as planner_module
 
     real = planner_module.Planner._refine
     calls = []
@@ -283,7 +283,7 @@ def test_the_ascent_goes_on_while_its_gains_can_close_the_gap():
     on 16x8x8: their gains shrink fast, then slowly, and still add up to the 1% gap, so the ascent
     goes on (8B certifies at sweep ~170, 70B at ~210); against a start 2% further away the same
     climbs give up early, saving their sweeps for the LP."""
-    from autoplan.certify import _CHECK, _may_reach
+    from autoplan.solve.certify import _CHECK, _may_reach
 
     climb_8b = [322706.993, 371416.791, 377658.604, 381138.139, 383642.558, 385523.840, 387048.929]
     climb_8b += [388313.023, 389320.437, 390197.518, 391004.972, 391720.374, 392393.994, 392995.565]
@@ -323,7 +323,7 @@ def test_a_sweeps_batches_colour_the_groups_so_that_none_share_a_unit():
     import random
     from types import SimpleNamespace
 
-    from autoplan.certify import _colours
+    from autoplan.solve.certify import _colours
 
     rng = random.Random(0)
     for _ in range(200):
@@ -352,7 +352,7 @@ def _plain_sweeps(problem, layout, open_, n):
     producer side, then every consumer side)."""
     import numpy as np
 
-    import autoplan.certify as certify_module
+    import autoplan.solve.certify as certify_module
 
     order = [i for batch in certify_module._colours(problem, list(range(len(problem.edges)))) for i in batch]
 
@@ -387,7 +387,7 @@ def _plain_sweeps(problem, layout, open_, n):
 
 
 def _batched_sweeps(plan, belief, open_, n):
-    import autoplan.certify as certify_module
+    import autoplan.solve.certify as certify_module
 
     msg = np.zeros(len(plan.rows))
     batches = [certify_module._prices(b, belief, open_) for b in plan.batches]
@@ -402,7 +402,7 @@ def test_a_batched_sweep_on_random_groups_moves_every_message_as_in_turn():
     whose two sides are one unit, and costs large enough that the cap clamps finite messages."""
     from types import SimpleNamespace
 
-    from autoplan.certify import Layout, _Sweeps
+    from autoplan.solve.certify import Layout, _Sweeps
 
     rng = np.random.default_rng(0)
     for case in range(60):
@@ -440,8 +440,8 @@ def test_a_batched_sweep_moves_every_message_as_the_groups_in_turn_would(monkeyp
     step, pairs without a column left out) against the ascent written plainly, one edge group at
     a time in the batches' order: after three sweeps every belief and message is the same, bit for
     bit, on both boundary re-solves of a 4-layer LLaMA."""
-    import autoplan.certify as certify_module
-    import autoplan.ilp as ilp_module
+    import autoplan.solve.certify as certify_module
+    import autoplan.solve.ilp as ilp_module
     from solvers.bound import tightened
 
     seen = []

@@ -7,8 +7,8 @@ from parallel_run import rerun_collectives
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.lowering import count_collectives
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.lower.lowering import count_collectives
 
 R, S0 = Replicate(), Shard(0)
 
@@ -149,9 +149,9 @@ def test_a_nested_shards_chunk_of_a_gathered_weight_is_re_gathered():
     forward, which the memory model assumes); only the small index is saved."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoplan.collectives import c10d
-    from autoplan.lowering import partition
-    from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY, tag_parameter_gathers
+    from autoplan.lower.collectives import c10d
+    from autoplan.lower.lowering import partition
+    from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY, tag_parameter_gathers
 
     group = fake_mesh((2,)).get_group().group_name
 

@@ -13,8 +13,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel, Plan
 from autoplan.bench import run_memory
+from autoplan.bench.workloads import llama_model
 from autoplan.errors import InfeasiblePlanError
-from autoplan.workloads import llama_model
 from solvers import InfeasibleError
 
 IO = (Shard(0), Replicate())
@@ -134,7 +134,7 @@ def test_gradients_are_moved_where_they_are_produced():
     unmoved copy never outlives its layer (what the estimate assumes)."""
     from parallel_run import FSDP, plan_and_apply
 
-    from autoplan.lowering import REGION_KEY
+    from autoplan.lower.lowering import REGION_KEY
 
     plan, lowered, _ = plan_and_apply(fake_mesh((2, 4), ("dp", "tp")), "llama", FSDP, batch_rows=8)
     moved = {r.consumer.removeprefix("grad:") for r in plan.redistributions if r.consumer.startswith("grad:layers.")}
@@ -192,7 +192,8 @@ def test_a_recompute_row_bounds_the_peak_of_the_chain_its_step_triggers():
     """With full recompute, a backward op's chain of recomputed copies can peak before the op runs
     (intermediates die on the way). At each triggering op the row's bytes (base live, less what
     recomputing frees, plus what it keeps) are the chain's peak, not what is left at the op."""
-    from autoplan import memory, recompute
+    from autoplan.cost import memory
+    from autoplan.trace import recompute
 
     model, cfg = llama_model("llama3-debug", torch.float32)
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
@@ -225,7 +226,7 @@ def test_the_outputs_gradients_live_to_the_end_of_the_backward():
     nothing: each stays to the schedule's last step, where the walk counts it. On 8B dims the
     backward ends with the vocabulary-sized embedding gradient made beside the 501 MiB logits'
     gradient: the step's peak (``test_estimated_peak_is_within_15_percent_of_measured``)."""
-    from autoplan import memory
+    from autoplan.cost import memory
 
     model, cfg = llama_model("llama3-debug", torch.float32)
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
@@ -254,7 +255,7 @@ def test_peak_rows_count_exactly_what_the_walk_does():
     whose views read inputs moved whole (a gather through the whole weight to take a slice of it).
     Some of those steps peak while their op runs, others while its inputs move, before it makes
     its output (the moves' buffers are freed by then): a row bounds the moment the walk found."""
-    from autoplan import memory
+    from autoplan.cost import memory
 
     model, cfg = llama_model("llama3-debug", torch.float32)
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:

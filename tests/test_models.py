@@ -193,12 +193,12 @@ def test_the_models_own_checkpointing_is_kept_unless_a_cap_lets_the_planner_drop
 
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["exponential", "cumulative"])
 def test_traced_batchnorm_follows_the_module(momentum, monkeypatch):
-    """The batch norm that tracing substitutes (``autoplan.batch_norm``) normalises, updates the running
+    """The batch norm that tracing substitutes (``autoplan.trace.batch_norm``) normalises, updates the running
     statistics (with a momentum or as the cumulative average, ``momentum=None``) and counts batches as
     ``nn.BatchNorm2d`` does, in training and in eval mode."""
     from torch import nn
 
-    from autoplan.batch_norm import batch_norm
+    from autoplan.trace.batch_norm import batch_norm
 
     torch.manual_seed(0)
     x = torch.randn(6, 4, 5, 5)

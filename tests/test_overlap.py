@@ -11,7 +11,7 @@ from conftest import fake_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 
 R, S0 = Replicate(), Shard(0)
 BATCH, SEQ = 8, 16

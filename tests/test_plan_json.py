@@ -8,7 +8,7 @@ from conftest import fake_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel, Plan
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 
 R, S0 = Replicate(), Shard(0)
 CFG = LLAMA3_CONFIGS["debug"]
@@ -81,7 +81,7 @@ def test_solver_and_ilp_reports_are_typed_and_save_as_the_dicts_they_replaced(pl
     that the plain dicts held, a plan saved without timings loads, and both still read like dicts."""
     import dataclasses
 
-    from autoplan.reports import IlpReport, Refinement, SolverReport
+    from autoplan.solve.reports import IlpReport, Refinement, SolverReport
 
     # the debug model's two layers have no boundary to re-solve: one re-solve's report is added
     one = Refinement(["layers.0"], 10, 5, "optimal", 0.0, solve_s=0.5, gain_s=1e-6, kept=True)

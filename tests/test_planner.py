@@ -7,8 +7,8 @@ from models import MLP, Block
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel
-from autoplan.models.llama3 import LlamaConfig
-from autoplan.tracing import PHASE_KEY
+from autoplan.bench.models.llama3 import LlamaConfig
+from autoplan.trace.tracing import PHASE_KEY
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -122,7 +122,7 @@ def test_tracing_planning_and_lowering_pause_the_cyclic_collector_and_restore_it
     import gc
 
     import autoplan.api as api_module
-    import autoplan.planner as planner_module
+    import autoplan.solve.planner as planner_module
     from autoplan.heap import collector_paused
 
     seen = []

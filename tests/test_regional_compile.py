@@ -6,9 +6,9 @@ import torch
 from conftest import fake_mesh
 from parallel_run import FSDP, LLAMA_TP, plan_and_apply
 
-from autoplan.compile import MIN_COMPUTE_OPS, compile_regions, compute_ops, region_ids, structure_key
-from autoplan.lowering import REGION_KEY
-from autoplan.passes.fsdp_recompute import RECOMPUTE_KEY
+from autoplan.lower.lowering import REGION_KEY
+from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY
+from autoplan.run.compile import MIN_COMPUTE_OPS, compile_regions, compute_ops, region_ids, structure_key
 
 LAYER_PARAMS = 9  # two norms, four attention and three feed-forward weights
 

@@ -11,9 +11,9 @@ from parallel_run import FSDP, check_run, graph_report, parallel_run, plan_and_a
 from torch import nn
 from torch.distributed._local_tensor import LocalTensorMode
 
-from autoplan import stamping
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.tracing import PATH_KEY, trace_joint
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.trace import stamping
+from autoplan.trace.tracing import PATH_KEY, trace_joint
 
 
 def _both(model: nn.Module, input_fn, **kw):

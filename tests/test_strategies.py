@@ -5,10 +5,10 @@ import dataclasses
 import torch
 from conftest import fake_mesh
 
-import autoplan.strategies as strategies_module
+import autoplan.shard.strategies as strategies_module
 from autoplan import AutoParallel
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.strategies import StrategyBuilder, enumerate_strategies
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.shard.strategies import StrategyBuilder, enumerate_strategies
 
 
 def test_ops_that_ask_alike_are_enumerated_once_each_node_keeping_its_own_tuple(monkeypatch):
@@ -40,7 +40,7 @@ def test_an_op_reading_one_node_twice_is_not_taken_for_one_reading_two():
     each gets what it gets alone, whichever comes first."""
     import torch.fx as fx
 
-    from autoplan.strategies import all_placements
+    from autoplan.shard.strategies import all_placements
 
     mesh = fake_mesh((2, 2), ("a", "b"))
     stack = torch.ops.aten.stack.default

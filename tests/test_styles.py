@@ -10,7 +10,7 @@ from parallel_run import LLAMA_TP
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel, Plan
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.plan import NodePlan
 from autoplan.styles import (
     COLWISE,
@@ -23,7 +23,7 @@ from autoplan.styles import (
     module_styles,
     style,
 )
-from autoplan.tracing import PATH_KEY, PHASE_KEY
+from autoplan.trace.tracing import PATH_KEY, PHASE_KEY
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 CFG = LLAMA3_CONFIGS["debug"]

@@ -8,8 +8,8 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autoplan.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.tracing import PATH_KEY, PHASE_KEY, trace_joint
+from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
+from autoplan.trace.tracing import PATH_KEY, PHASE_KEY, trace_joint
 
 aten = torch.ops.aten
 CFG = LLAMA3_CONFIGS["debug"]

@@ -1,4 +1,4 @@
-"""Parameters whose dims do not split evenly over the mesh (``autoplan.uneven``): stored as DTensor's
+"""Parameters whose dims do not split evenly over the mesh (``autoplan.shard.uneven``): stored as DTensor's
 uneven ``Shard`` (torch.chunk's layout), padded to the largest shard in the per-rank graph, priced on
 that largest shard, and trained to single-device numerics on 8 simulated ranks."""
 
@@ -18,7 +18,7 @@ from autoplan import AutoParallel, ConstraintError
 from autoplan.adapters.dtensor import redistribute
 from autoplan.adapters.local_tensor import mesh_coordinate
 from autoplan.errors import InfeasiblePlanError
-from autoplan.uneven import pieces
+from autoplan.shard.uneven import pieces
 
 RANKS = 8
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)

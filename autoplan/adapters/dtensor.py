@@ -29,7 +29,7 @@ from torch.distributed.tensor._redistribute import (
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
-from autoplan.uneven import gather_runs, is_uneven, pad_segments, uneven_dims
+from autoplan.shard.uneven import gather_runs, is_uneven, pad_segments, uneven_dims
 
 Placements = tuple[Placement, ...]
 _PLAIN = frozenset({Shard, Replicate, Partial})
@@ -318,7 +318,7 @@ def _redistribute_rank_generic(
 def _redistribute_uneven(
     local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coordinate: torch.Tensor
 ) -> torch.Tensor:
-    """A move from or to an uneven split on padded shards (``autoplan.uneven``), as
+    """A move from or to an uneven split on padded shards (``autoplan.shard.uneven``), as
     ``CostModel._uneven_plan`` prices it: the graph is the same on every rank, so every rank's piece
     of an uneven split is padded at its end to the largest piece's rows.
 

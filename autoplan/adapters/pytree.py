@@ -1,7 +1,7 @@
 """Adapter over ``torch.utils._pytree``, so a torch upgrade touches one module.
 
 Graph arguments and model calls are nested lists, tuples and dicts; the flatten/map/unflatten
-functions that walk them are private, and so is the key-path API with which ``autoplan.inputs``
+functions that walk them are private, and so is the key-path API with which ``autoplan.trace.inputs``
 names every leaf of a model call by where it sits (``batch['mask']``).
 """
 

@@ -1,0 +1,136 @@
+"""The plans users write by hand today, as pins on a LLaMA-style model (``autoplan.bench.models.llama3``
+parameter and module names), so the ILP's plan can be priced against them under one cost model.
+
+- ``ddp``: every parameter replicated; gradients all-reduced.
+- ``fsdp``: ZeRO-3, every parameter's dim 0 split over the whole mesh.
+- ``hsdp``: split inside the last mesh dim (a node), replicated across the others.
+- ``fsdp+tp``: torchtitan's 2-D plan: the last mesh dim is tensor parallel (column-wise wq/wk/wv/w1/w3
+  and output, row-wise wo/w2 and the embedding), the others FSDP. Where the norms run (sequence
+  parallel or replicated) is left to the ILP: a norm's output is not a pinnable module output here.
+
+Pins fix what the hand plan fixes: the parameters' placements and, for tensor parallelism, the
+layouts of its column-wise outputs. Every other value is left to the ILP, which can only help
+the hand plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import time
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.errors import AutoplanError
+from autoplan.shard.constraints import placement_error
+
+R = Replicate()
+COLUMNWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+ROWWISE = ("attention.wo", "feed_forward.w2")
+EVERY_PARAMETER = "*.weight"  # node names hold no dot: this glob matches parameter FQNs only
+
+
+def hand_plans(ndim: int) -> tuple[str, ...]:
+    """The hand plans a mesh of ``ndim`` dims can express (HSDP and TP need a second dim)."""
+    return ("ddp", "fsdp") if ndim == 1 else ("ddp", "fsdp", "hsdp", "fsdp+tp")
+
+
+def hand_plan_pins(name: str, ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
+    """(parameter FQN or module glob, placements) pins of the hand plan ``name`` on an ``ndim``-D mesh."""
+    if name not in hand_plans(ndim):
+        raise ValueError(f"no hand plan {name!r} on a {ndim}-D mesh: use one of {', '.join(hand_plans(ndim))}")
+    if name == "ddp":
+        return [(EVERY_PARAMETER, (R,) * ndim)]
+    if name == "fsdp":
+        return [(EVERY_PARAMETER, (Shard(0),) * ndim)]
+    if name == "hsdp":
+        return [(EVERY_PARAMETER, (R,) * (ndim - 1) + (Shard(0),))]
+    return _fsdp_tp(ndim)
+
+
+def _fsdp_tp(ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
+    """FSDP on every dim but the last, TP on the last; a (batch, seq, ...) activation is batch-split
+    on the FSDP dims and split on ``d`` over TP."""
+    dp = (Shard(0),) * (ndim - 1)
+
+    def act(d: int) -> tuple[Placement, ...]:
+        return dp + (Shard(d),)
+
+    norms = ("layers.*.attention_norm.weight", "layers.*.ffn_norm.weight", "norm.weight")
+    pins = [(fqn, dp + (R,)) for fqn in norms]  # FSDP only
+    pins += [(f"layers.*.{m}.weight", dp + (Shard(0),)) for m in COLUMNWISE]  # (out, in): split outputs
+    pins += [(f"layers.*.{m}.weight", dp + (Shard(1),)) for m in ROWWISE]  # split inputs
+    pins += [("tok_embeddings.weight", dp + (Shard(0),)), ("output.weight", dp + (Shard(0),))]
+    pins += [(f"layers.*.{m}", act(2)) for m in COLUMNWISE]  # column-wise outputs: split features
+    pins += [("output", act(2))]  # vocab-split logits
+    return pins
+
+
+def fit_to_shapes(pins: list, params: dict[str, torch.Tensor], mesh_shape: tuple[int, ...]) -> list:
+    """``pins`` with each parameter glob split by layer pattern where the mesh cannot split some of
+    its parameters' dim 0 evenly; those split dim 1 on the outer mesh dims instead, which moves the
+    same bytes without padding (LLaMA-3's 128256-row embedding over 1024 ranks). Where no dim splits
+    evenly the pin stays as it is: the parameter is then split unevenly (``autoplan.shard.uneven``), as
+    FSDP pads it."""
+    out = []
+    for target, placements in pins:
+        matched = [fqn for fqn in params if fnmatch.fnmatchcase(fqn, target)]
+        if all(placement_error(placements, params[f], mesh_shape, whole=True) is None for f in matched):
+            out.append((target, placements))
+            continue
+        # the outer (FSDP) mesh dims move to dim 1 first, as few as fit: the inner (TP) one keeps its split
+        moved = [
+            tuple(Shard(1) if i < k and p == Shard(0) else p for i, p in enumerate(placements))
+            for k in range(1, len(placements) + 1)
+        ]
+        for pattern in dict.fromkeys(re.sub(r"\.\d+\.", ".*.", f) for f in matched):
+            val = params[next(f for f in matched if fnmatch.fnmatchcase(f, pattern))]
+            fitting = [pl for pl in (placements, *moved) if placement_error(pl, val, mesh_shape, whole=True) is None]
+            out.append((pattern, fitting[0] if fitting else placements))  # none: the pin says why
+    return out
+
+
+def compare_plans(ap, ndim: int) -> list[dict]:
+    """The ILP's plan and each hand plan that ``ap``'s mesh can express, under ``ap``'s other
+    constraints and one cost model: one row each, the ILP's first (``python -m autoplan.bench
+    compare`` prints them). The ILP starts from the cheapest hand plan, so within any MIP gap it
+    is never worse than one."""
+    rows, plans = [], {}
+    params = {fqn: n.meta["val"] for fqn, n in ap.traced.placeholder_for("param").items()}
+    for name in hand_plans(ndim):
+        added = []
+        t0 = time.perf_counter()
+        try:
+            for target, placements in fit_to_shapes(hand_plan_pins(name, ndim), params, tuple(ap.mesh.shape)):
+                ap.add_node_constraint(target, placements)
+                added.append(target)
+            plans[name] = ap.optimize_placement()
+        except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
+            rows.append({"plan": name, "error": str(e).splitlines()[0]})
+        else:
+            rows.append(_row(name, plans[name], ap, time.perf_counter() - t0))
+        finally:
+            for target in added:
+                ap.remove_node_constraint(target)
+    t0 = time.perf_counter()
+    best = min(plans.values(), key=lambda p: p.cost.total, default=None)
+    return [_row("autoplan", ap.optimize_placement(start=best), ap, time.perf_counter() - t0), *rows]
+
+
+def _row(name: str, plan, ap, seconds: float) -> dict:
+    c = plan.cost
+    return {
+        "plan": name,
+        "step_ms": c.total * 1e3,
+        "compute_ms": (c.compute_forward + c.compute_backward) * 1e3,
+        "comm_ms": c.comm * 1e3,
+        "exposed_comm_ms": c.exposed_comm * 1e3,
+        "peak_gib": plan.memory.peak_bytes / 2**30,
+        "param_bytes": plan.memory.param_bytes,
+        "fits": plan.memory.peak_bytes <= ap.device_profile.memory_bytes,
+        "mfu": c.mfu,
+        "gap": plan.solver.get("gap"),
+        "plan_s": seconds,
+    }

@@ -1,0 +1,102 @@
+"""What to plan without a cluster: named models, user model factories and fake meshes.
+
+Shared by the ``autoplan`` command, the benchmarks and the examples. Errors are ``ValueError``s
+that say what was expected; the command-line front ends turn them into exit messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MESH_DIM_NAMES = ("dp", "tp", "cp", "pp")
+
+
+def parse_mesh(spec: str) -> tuple[int, ...]:
+    """``"16x8"`` -> ``(16, 8)``."""
+    try:
+        shape = tuple(int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(n < 1 for n in shape) or len(shape) > len(MESH_DIM_NAMES):
+        raise ValueError(f"a mesh is sizes joined by 'x' (e.g. 128 or 16x8), up to 4 dims; got {spec!r}")
+    return shape
+
+
+def fake_mesh(shape: tuple[int, ...], device_type: str = "cpu"):
+    """A mesh of ``shape`` on a fake process group (started here if none is): collectives are
+    no-ops, so any size plans on one machine. Dims are named dp, tp, cp, pp in order."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from autoplan.adapters.fake import fake_store
+
+    size, names = math.prod(shape), MESH_DIM_NAMES[: len(shape)]
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
+    if dist.get_world_size() == size:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if dist.get_world_size() < size:
+        raise ValueError(f"mesh {shape} needs {size} ranks; the process group has {dist.get_world_size()}")
+    return DeviceMesh(device_type, torch.arange(size).reshape(shape), mesh_dim_names=names)  # a larger world
+
+
+def llama_config(name: str, layers: int | None = None):
+    """The LLaMA-3 config called ``llama3-<size>``, optionally with another number of layers."""
+    from autoplan.bench.models.llama3 import LLAMA3_CONFIGS
+
+    family, _, size = name.partition("-")
+    if family != "llama3" or size not in LLAMA3_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; choose from " + ", ".join(f"llama3-{k}" for k in LLAMA3_CONFIGS))
+    if layers is not None and layers < 1:
+        raise ValueError(f"the number of layers must be at least 1, got {layers}")
+    cfg = LLAMA3_CONFIGS[size]
+    return cfg if layers is None else dataclasses.replace(cfg, n_layers=layers)
+
+
+def llama_model(name: str, dtype: torch.dtype, layers: int | None = None):
+    """A LLaMA-3 model on the meta device (no memory) and its config."""
+    from autoplan.bench.models.llama3 import Transformer
+
+    cfg = llama_config(name, layers)
+    with torch.device("meta"):
+        model = Transformer(cfg).to(dtype)
+    return model, cfg
+
+
+def llama_batch(cfg, batch: int | None, seq: int | None, dp: int) -> tuple[int, int]:
+    """Global batch and sequence length of a LLaMA workload: by default ``max(32, dp)`` sequences
+    (the batch must split over the first mesh dim) of ``min(8192, the model's max)`` tokens."""
+    return batch or max(32, dp), seq or min(8192, cfg.max_seq_len)
+
+
+def load_factory(spec: str) -> tuple[torch.nn.Module, Callable[[], Any]]:
+    """``"package.module:factory"``: call ``factory()``, which returns ``(model, input_fn)``.
+
+    The module is looked for in the current folder first, as ``python -m`` does: the installed
+    ``autoplan`` command starts with the folder of its script on the path, not the user's."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"a model factory is 'module:function', got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"cannot load model factory {spec!r}: {e} (looked in the current folder {cwd} and on the Python path)"
+        ) from e
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load model factory {spec!r}: {e}") from e
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module) and callable(made[1])):
+        raise ValueError(f"model factory {spec!r} must return (model, input_fn), got {type(made).__name__}")
+    return made

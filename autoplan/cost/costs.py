@@ -1,0 +1,624 @@
+"""Analytic GPU cost model: roofline compute time and the time of DTensor redistributions (their
+collectives priced by ``autoplan.cost.network``).
+
+The planning host is a CPU; every number here describes the *target* GPUs, so nothing reads local devices.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_transitions, shape_free, shard_dim
+from autoplan.cost.devices import H100_SXM, DeviceProfile
+from autoplan.cost.network import MeshTopology, collective_seconds
+from autoplan.shard.uneven import gather_runs, largest, uneven_dims
+
+# a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
+Price = Callable[[Placements, Placements, Any], float]
+# a price over every (source, destination) pair of two placement lists: one row per source
+Matrix = Callable[[Sequence[Placements], Sequence[Placements], Any], np.ndarray]
+
+
+def pairwise(price: Price) -> Matrix:
+    """``price`` as a ``Matrix``."""
+
+    def matrix(srcs: Sequence[Placements], dsts: Sequence[Placements], meta) -> np.ndarray:
+        return np.array([[price(o, q, meta) for q in dsts] for o in srcs], dtype=float).reshape(len(srcs), len(dsts))
+
+    return matrix
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+
+def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The largest local shard's shape: DTensor chunks with ceil, so rank 0 holds the biggest piece."""
+    return split_shape(shape, [shard_dim(p) for p in placements], mesh_shape)
+
+
+def split_shape(shape: Sequence[int], dims: Sequence[int | None], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """``local_shape`` from the tensor dim each mesh dim splits (``None``: not split)."""
+    sizes = list(shape)
+    for dim, n in zip(dims, mesh_shape, strict=True):
+        if dim is not None:
+            sizes[dim] = -(-sizes[dim] // n)
+    return tuple(sizes)
+
+
+def local_bytes(meta: TensorMeta, placements: Placements, mesh_shape: Sequence[int]) -> int:
+    """Bytes of the largest local shard; Replicate and Partial keep the full tensor on every rank."""
+    return math.prod(local_shape(meta.shape, placements, mesh_shape)) * meta.dtype.itemsize
+
+
+def work_split(
+    inputs: Sequence[tuple[TensorMeta, Placements]],
+    outputs: Sequence[tuple[TensorMeta, Placements]],
+    mesh_shape: Sequence[int],
+) -> int:
+    """How many ways an op's FLOPs are divided: mesh dims where all placements are Replicate do the full work."""
+
+    def splits(d: int) -> bool:
+        return any(shard_dim(p[d]) is not None or isinstance(p[d], Partial) for _, p in outputs) or any(
+            shard_dim(p[d]) is not None for _, p in inputs
+        )
+
+    return math.prod(n for d, n in enumerate(mesh_shape) if splits(d))
+
+
+def compute_dtype(tensors: Sequence[TensorMeta]) -> torch.dtype:
+    """The dtype the math runs in: the first floating one (indices and masks do not pick the tensor-core rate)."""
+    fallback = tensors[0].dtype if tensors else torch.float32
+    return next((m.dtype for m in tensors if m.dtype.is_floating_point), fallback)
+
+
+def roofline_seconds(flops: float, nbytes: float, dtype: torch.dtype, profile: DeviceProfile) -> float:
+    """One kernel: bound by compute or HBM traffic, whichever is slower, never faster than a launch."""
+    compute = flops / (profile.flops_for(dtype) * profile.compute_efficiency)
+    memory = nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency)
+    return max(compute, memory) + profile.kernel_launch
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+TransferKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "local", "relayout"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One primitive of a redistribution on one mesh dim.
+
+    ``local`` is a step of its own (take a chunk, scale a replica); ``relayout`` is a copy that a
+    collective makes around itself to run on the leading dim, so it is priced but not listed as a
+    primitive of the redistribution.
+    """
+
+    kind: TransferKind
+    mesh_dim: int
+    nbytes: int  # collectives: the full logical tensor at this step; local/relayout: the bytes each rank copies
+    made: int = 0  # local bytes of the buffer it writes on each rank (its input dies once it is made)
+
+
+def _leading_block(shape: Sequence[int], dim: int) -> bool:
+    """Whether the chunks of a contiguous ``shape`` along ``dim`` are contiguous blocks (every dim
+    before ``dim`` has size 1): then splitting or stacking along ``dim`` needs no copy."""
+    return math.prod(shape[:dim]) == 1
+
+
+def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Row-major without gaps (size-1 dims may have any stride)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def relayout_copies(
+    kind: TransferKind, src_dim: int | None, dst_dim: int | None, before: Sequence[int], after: Sequence[int]
+) -> tuple[Sequence[int], ...]:
+    """Local shapes of the copies a collective on a non-leading tensor dim makes (as DTensor runs it
+    on a GPU mesh); ``src_dim``/``dst_dim``: the tensor dim the step's mesh dim splits before and
+    after (``None``: not split); ``before``/``after``: the rank's local shape before and after it.
+
+    NCCL gathers and scatters along dim 0 only, so: an all-gather on dim d returns its chunks
+    stacked on dim 0 and one copy moves them to dim d (a view when the gathered blocks are already
+    contiguous); a reduce-scatter on dim d first moves its chunks onto dim 0 (likewise); an
+    all-to-all moves the new shard dim to the front before the exchange and the gathered dim
+    back after it (each a copy unless the move is a view).
+    """
+    if kind == "all_gather" and src_dim and not _leading_block(before, src_dim):
+        return (after,)
+    if kind == "reduce_scatter" and dst_dim and not _leading_block(before, dst_dim):
+        return (before,)
+    if kind == "all_to_all":
+        moves = ((before, dst_dim), (after, src_dim))
+        return tuple(shape for shape, dim in moves if not _leading_block(shape, dim))
+    return ()
+
+
+def step_kinds(src: Placement, dst: Placement) -> tuple[TransferKind, ...] | None:
+    """The primitives DTensor runs for one per-mesh-dim transition; ``None`` where DTensor raises at runtime."""
+    src_dim, dst_dim = shard_dim(src), shard_dim(dst)
+    plain_shards = isinstance(src, Shard) and isinstance(dst, Shard)
+    if src == dst:
+        return ()
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return ("all_reduce",)
+        if isinstance(dst, Shard):
+            return ("reduce_scatter",)
+        if dst_dim is not None:  # strided shard: reduce fully, then slice
+            return ("all_reduce", "local")
+        return None  # mixing Partial reduce ops is unsupported
+    if src_dim is not None:
+        if isinstance(dst, Replicate):
+            return ("all_gather",)
+        if plain_shards:
+            return ("all_to_all",)
+        if dst_dim is not None:  # strided on either side goes through Replicate
+            return ("all_gather", "local")
+        return None  # Shard -> Partial is unsupported
+    if isinstance(src, Replicate) and (dst_dim is not None or isinstance(dst, Partial)):
+        return ("local",)
+    return None
+
+
+def _made_bytes(kind: TransferKind, size: int, n: int, after: int) -> int:
+    """Local bytes a primitive writes, from the ``size`` it reads over ``n`` ranks (``after``: the
+    step's local result, what a ``local`` step leaves)."""
+    if kind == "all_gather":
+        return size * n
+    if kind == "reduce_scatter":
+        return size // n
+    return after if kind == "local" else size
+
+
+def _step_bytes(kind: TransferKind, size: int, n: int, made: int) -> int:
+    """A primitive's ``Transfer.nbytes`` from the local bytes it reads (``size``) and writes
+    (``made``): a collective moves the tensor its group holds *now*, so shards that other mesh dims
+    keep (an FSDP gather of a TP-sharded weight) shrink it, as do steps the same move ran before."""
+    if kind in ("all_gather", "all_to_all"):
+        return size * n
+    return made if kind == "local" else size
+
+
+def _relayout(mesh_dim: int, shape: Sequence[int], itemsize: int) -> Transfer:
+    """The copy of a local ``shape`` that a collective makes around itself."""
+    nbytes = math.prod(shape) * itemsize
+    return Transfer("relayout", mesh_dim, nbytes, nbytes)
+
+
+def peak_buffer_bytes(transfers: Sequence[Transfer], source: int = 0) -> int:
+    """The most bytes a redistribution's own buffers hold at once: each primitive's output is made
+    while its input (the previous output) is still alive. The source is not the move's, but for
+    ``source``: the bytes of a source freed once the first primitive has read it, held beside that
+    primitive's output."""
+    peak, previous = 0, source
+    for t in transfers:
+        peak, previous = max(peak, previous + t.made), t.made
+    return peak
+
+
+_NOT_PARTIAL = frozenset({Shard, Replicate})
+_PLAIN_TYPES = frozenset({Shard, Replicate, Partial})  # a failing isinstance on a placement runs in Python
+
+
+def mixed_partials(placements: Placements) -> bool:
+    """DTensor refuses placements that mix Partial reduce ops (their order would matter)."""
+    return len({p.reduce_op for p in placements if type(p) not in _NOT_PARTIAL and isinstance(p, Partial)}) > 1
+
+
+def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
+    if transfer.kind in ("local", "relayout"):  # one memory-bound copy kernel: reads and writes its bytes
+        return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
+    return collective_seconds(transfer.kind, topology.spans[transfer.mesh_dim], transfer.nbytes, profile)
+
+
+def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
+    """Indices ``i`` where transfers i and i+1 are all-gathers on the two dims of a 2-D mesh with
+    nothing between them: the gather-fusion pass runs them as one all-gather over the whole mesh."""
+    if ndim != 2:
+        return set()
+    return {
+        i
+        for i, (a, b) in enumerate(itertools.pairwise(transfers))
+        if a.kind == b.kind == "all_gather" and a.mesh_dim != b.mesh_dim
+    }
+
+
+def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict) -> float:
+    """A redistribution's time. Gather pairs that the fusion pass merges are priced as the one
+    collective that runs (over the flattened mesh), plus the local chunk transpose it needs when
+    the outer mesh dim was gathered first. ``memo``: each primitive's seconds by (kind, mesh dim,
+    bytes), kept by the caller for this topology and profile (a 3-D mesh's moves price ~300 K
+    primitives, a few thousand distinct)."""
+
+    def seconds(t: Transfer) -> float:
+        key = (t.kind, t.mesh_dim, t.nbytes)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = transfer_seconds(t, topology, profile)
+        return found
+
+    fused = fused_gather_pairs(transfers, len(topology.shape))
+    total, skip = 0.0, False
+    for i, t in enumerate(transfers):
+        if skip:
+            skip = False
+        elif i in fused:
+            total += collective_seconds("all_gather", topology.flat, transfers[i + 1].nbytes, profile)
+            if t.mesh_dim < transfers[i + 1].mesh_dim:
+                total += seconds(Transfer("relayout", 0, transfers[i + 1].made))
+            skip = True
+        else:
+            total += seconds(t)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One mesh dim's transition of a move, as the primitives that run it (sizes aside)."""
+
+    mesh_dim: int
+    kinds: tuple[TransferKind, ...]
+    src_dim: int | None  # the tensor dim this mesh dim splits before the step (``None``: none)
+    dst_dim: int | None  # and after it
+
+
+@dataclass(frozen=True)
+class _UnevenMove:
+    """A move from or to an unevenly split placement (``autoplan.shard.uneven``), whose primitives
+    ``CostModel._uneven_plan`` works out on the padded shards the lowering moves."""
+
+    src: Placements
+    dst: Placements
+
+
+_UNKNOWN = object()
+
+
+def _tensor_key(meta: TensorMeta) -> tuple:
+    """What a move's cost reads of the tensor it moves."""
+    return (tuple(meta.shape), tuple(meta.stride), meta.dtype)
+
+
+class UnsupportedRedistribution(ValueError):
+    """DTensor has no way to perform this placement change."""
+
+
+class CostModel:
+    """Costs of compute and redistribution for one (mesh, topology, profile); caches keyed accordingly."""
+
+    def __init__(self, mesh: DeviceMesh, profile: DeviceProfile = H100_SXM) -> None:
+        self.mesh = mesh
+        self.profile = profile
+        self.topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
+        # Keyed by ``_key``; mesh and profile are fixed per instance.
+        self._ids: dict[Placements, int] = {}
+        self._by_object: dict[int, tuple[Placements, int]] = {}  # by ``id``: a tuple already numbered
+        self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
+        self._splits: dict[tuple[int | None, ...], int] = {}  # a number per distinct ``_dims`` entry
+        self._split_of: list[int] = []  # per id: its ``_dims`` entry's number
+        self._costs: dict[tuple, float] = {}  # by ``_key``
+        self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}  # by ``_move``
+        self._seconds: dict[tuple, float] = {}  # by ``_move``
+        self._matrices: dict[tuple, np.ndarray] = {}
+        self._local_shapes: dict[tuple, tuple[int, ...]] = {}  # by (shape, tensor dim each mesh dim splits)
+        self._transfer_s: dict[tuple, float] = {}  # by (kind, mesh dim, bytes)
+        self._templates: dict[tuple, tuple[int, tuple[_Step, ...] | None]] = {}  # per placement pair (``_steps``)
+        self._template_ids: dict[tuple[_Step, ...] | None, int] = {}  # a number per distinct steps
+        self._derived: dict[tuple, tuple[object, Any]] = {}
+        self._kinds: dict[tuple, tuple | None] = {}  # per (source, target) placement: ``step_kinds`` and both dims
+        self._uneven: dict[tuple, bool] = {}  # per (``_dims`` entry's number, shape): split unevenly
+
+    def _id(self, placements: Placements) -> int:
+        """A number per distinct placement tuple: cache keys made of them hash in C, where a
+        placement's own hash runs in Python (millions of lookups on a 3-D mesh). A tuple seen
+        before is found by identity (strategies hold the same tuples through every build and the
+        plan's pricing), kept alive beside its number so that its id cannot be reused."""
+        seen = self._by_object.get(id(placements))
+        if seen is not None and seen[0] is placements:
+            return seen[1]
+        key = tuple(placements)
+        found = self._ids.get(key)
+        if found is None:
+            dims = tuple(shard_dim(p) for p in key)
+            self._dims.append(dims)
+            self._split_of.append(self._splits.setdefault(dims, len(self._splits)))
+            found = self._ids[key] = len(self._dims) - 1
+        if key is placements:  # a tuple, immutable: a list could change under its id
+            self._by_object[id(placements)] = (placements, found)
+        return found
+
+    def numbers(self, placements: Sequence[Placements]) -> np.ndarray:
+        """A number per placement tuple, equal exactly where the tuples are (stable for this model)."""
+        return np.array([self._id(p) for p in placements], dtype=np.int64)
+
+    def _key(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple:
+        """Everything a redistribution's cost depends on besides the (per-instance) mesh and profile."""
+        return (self._id(src), self._id(dst), *_tensor_key(meta))
+
+    def _move(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple:
+        """What a move's primitives depend on: its steps (numbered), the tensor dims its source
+        splits and the tensor (``_key``'s tensor part). Pairs that take the same steps from sources
+        split alike (e.g. differing only in a Partial or Replicate on a mesh dim no step touches)
+        move alike, and on a 3-D mesh many of its (pair, tensor) moves repeat another's. Also the
+        steps themselves."""
+        number, steps = self._steps(src, dst, meta, key)
+        return (number, self._split_of[key[0]], *key[2:]), steps
+
+    def _plan(
+        self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple | None = None
+    ) -> tuple[Transfer, ...] | None:
+        """The move's primitives (``None`` where DTensor cannot run it); ``key``: its ``_key``."""
+        key = self._key(src, dst, meta) if key is None else key
+        return self._plan_of(*self._move(src, dst, meta, key), meta, key[0])
+
+    def _plan_of(
+        self, move: tuple, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int
+    ) -> tuple[Transfer, ...] | None:
+        found = self._plans.get(move, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._plans[move] = self._build_plan(steps, meta, src)
+        return found
+
+    def _steps(
+        self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple
+    ) -> tuple[int, tuple[_Step, ...] | None]:
+        """DTensor's per-mesh-dim steps as primitives, without sizes (``None`` where DTensor cannot
+        run the move), and a number per distinct steps. Kept per placement pair where its steps
+        ignore the shape (a 3-D mesh prices ~126 K (pair, shape) moves but only ~27 K pairs)."""
+        pair = (key[0], key[1])
+        uneven = self._is_uneven(key[0], key[2]) or self._is_uneven(key[1], key[2])
+        if uneven and all(type(p) in _PLAIN_TYPES for p in (*src, *dst)):  # else DTensor's own steps
+            steps = _UnevenMove(tuple(src), tuple(dst))  # its steps depend on the shape
+            return self._template_ids.setdefault(steps, len(self._template_ids)), steps
+        found = self._templates.get(pair)
+        if found is None:
+            steps = self._make_steps(src, dst, meta)
+            found = (self._template_ids.setdefault(steps, len(self._template_ids)), steps)
+            if shape_free(src, dst):
+                self._templates[pair] = found
+        return found
+
+    def _is_uneven(self, number: int, shape: tuple[int, ...]) -> bool:
+        """Whether the placements numbered ``number`` split ``shape`` unevenly (kept per split and shape)."""
+        key = (self._split_of[number], shape)
+        found = self._uneven.get(key)
+        if found is None:
+            ways: dict[int, int] = {}
+            for n, d in zip(self.topology.shape, self._dims[number]):
+                if d is not None:
+                    ways[d] = ways.get(d, 1) * n
+            found = self._uneven[key] = any(shape[d] % w for d, w in ways.items())
+        return found
+
+    def _make_steps(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[_Step, ...] | None:
+        if mixed_partials(src) or mixed_partials(dst):
+            return None
+        steps = []
+        for mesh_dim, a, b in redistribute_transitions(self.mesh, src, dst, meta):
+            if self.topology.shape[mesh_dim] == 1:  # DTensor short-cuts these before checking the transition
+                continue
+            found = self._kinds.get((a, b), _UNKNOWN)
+            if found is _UNKNOWN:
+                kinds = step_kinds(a, b)
+                found = self._kinds[(a, b)] = None if kinds is None else (kinds, shard_dim(a), shard_dim(b))
+            if found is None:
+                return None
+            steps.append(_Step(mesh_dim, *found))
+        return tuple(steps)
+
+    def _build_plan(
+        self, steps: tuple[_Step, ...] | _UnevenMove | None, meta: TensorMeta, src: int
+    ) -> tuple[Transfer, ...] | None:
+        """Map DTensor's own steps (from the placements numbered ``src``) to primitives, with the
+        re-layout copies collectives make (on non-leading dims, of non-contiguous inputs); size-1
+        mesh dims are skipped, as DTensor does."""
+        if isinstance(steps, _UnevenMove):
+            return self._uneven_plan(steps.src, steps.dst, meta)
+        if not steps:
+            return steps
+        transfers: list[Transfer] = []
+        mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
+        current = list(self._dims[src])  # the tensor dim each mesh dim splits, as the steps go
+        contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
+        after = self._local_shape(meta.shape, current)
+        for step in steps:
+            n = mesh_shape[step.mesh_dim]
+            before = after
+            current[step.mesh_dim] = step.dst_dim
+            after = self._local_shape(meta.shape, current)
+            size = math.prod(before) * itemsize  # the local bytes the next primitive reads
+            for k in step.kinds:
+                copies = relayout_copies(k, step.src_dim, step.dst_dim, before, after)
+                # NCCL needs a contiguous input (a transposed view is not); an all-to-all's own copy may do
+                if k != "local" and not contiguous and not (copies and copies[0] is before):
+                    copies = (before, *copies)
+                made = _made_bytes(k, size, n, math.prod(after) * itemsize)
+                primitive = Transfer(k, step.mesh_dim, _step_bytes(k, size, n, made), made)
+                if copies:  # in the order they run: copies of the input before the collective, of its output after
+                    transfers += [_relayout(step.mesh_dim, c, itemsize) for c in copies if c is before]
+                    transfers.append(primitive)
+                    transfers += [_relayout(step.mesh_dim, c, itemsize) for c in copies if c is not before]
+                else:
+                    transfers.append(primitive)
+                size, contiguous = made, True
+        return tuple(transfers)
+
+    def _uneven_plan(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[Transfer, ...] | None:
+        """The primitives of a move from or to an uneven split, as ``adapters.dtensor`` lowers it on
+        padded shards (every rank's piece padded to the largest, ``autoplan.shard.uneven``).
+
+        From one: each unevenly split dim is all-gathered over its mesh dims, innermost first (the
+        padded pieces then lie in rank order), its padding dropped (a view when it is all at the
+        end, else a copy), and the rest of the move is DTensor's from there. To one (a gradient into
+        its parameter's placement): DTensor's move to the target with those mesh dims left partial
+        or replicated, then each dim padded (a copy) and reduce-scattered or chunked over its mesh
+        dims, outermost first. Between two uneven splits: ``None`` (nothing needs it)."""
+        src, dst = tuple(src), tuple(dst)
+        if src == dst:
+            return ()
+        mesh, shape, itemsize = self.topology.shape, tuple(meta.shape), meta.dtype.itemsize
+        src_uneven, dst_uneven = uneven_dims(shape, src, mesh), uneven_dims(shape, dst, mesh)
+        if (src_uneven and dst_uneven) or mixed_partials(src) or mixed_partials(dst):
+            return None
+        nbytes = lambda s: math.prod(s) * itemsize  # noqa: E731
+        transfers: list[Transfer] = []
+        if src_uneven:
+            mid = tuple(Replicate() if any(i in m for m in src_uneven.values()) else p for i, p in enumerate(src))
+            current = list(self._local_shape(shape, [shard_dim(p) for p in src]))
+            for d, mesh_dims in sorted(src_uneven.items()):
+                for i in reversed(mesh_dims):
+                    before = tuple(current)
+                    current[d] *= mesh[i]
+                    after = tuple(current)
+                    transfers.append(Transfer("all_gather", i, nbytes(before) * mesh[i], nbytes(after)))
+                    copies = relayout_copies("all_gather", d, None, before, after)
+                    transfers += [_relayout(i, c, itemsize) for c in copies]
+                current[d] = shape[d]
+                runs = gather_runs(shape[d], [mesh[i] for i in mesh_dims])
+                if len(runs) > 1 or runs[0][0]:  # else the padding is a tail the view leaves out
+                    transfers.append(_relayout(mesh_dims[0], current, itemsize))
+            rest = self._plan(mid, dst, meta)
+            return None if rest is None else (*transfers, *rest)
+        on = {i: d for d, mesh_dims in dst_uneven.items() for i in mesh_dims}
+        mid = tuple(
+            dst[i] if i not in on else src[i] if isinstance(src[i], (Partial, Replicate)) else Replicate()
+            for i in range(len(dst))
+        )
+        first = self._plan(src, mid, meta)
+        if first is None:
+            return None
+        transfers += first
+        current = list(self._local_shape(shape, [shard_dim(p) for p in mid]))
+        for d, mesh_dims in sorted(dst_uneven.items()):
+            current[d] = largest(shape[d], [mesh[i] for i in mesh_dims]) * math.prod(mesh[i] for i in mesh_dims)
+            transfers.append(_relayout(mesh_dims[0], current, itemsize))
+            for i in mesh_dims:
+                before = tuple(current)
+                current[d] //= mesh[i]
+                after = tuple(current)
+                if isinstance(mid[i], Partial):
+                    copies = relayout_copies("reduce_scatter", None, d, before, after)
+                    transfers += [_relayout(i, c, itemsize) for c in copies]
+                    transfers.append(Transfer("reduce_scatter", i, nbytes(before), nbytes(after)))
+                else:
+                    transfers.append(Transfer("local", i, nbytes(after), nbytes(after)))
+        return tuple(transfers)
+
+    def _local_shape(self, shape: tuple[int, ...], dims: list[int | None]) -> tuple[int, ...]:
+        """``split_shape`` on this mesh, kept: a 3-D mesh's moves ask ~300 K times for ~2 K shapes."""
+        key = (shape, *dims)
+        found = self._local_shapes.get(key)
+        if found is None:
+            found = self._local_shapes[key] = split_shape(shape, dims, self.topology.shape)
+        return found
+
+    def redistribute_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
+        """Seconds to move ``meta`` from ``src`` to ``dst`` placements; ``math.inf`` if DTensor cannot."""
+        return self._cost(src, dst, meta, self._key(src, dst, meta))
+
+    def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> float:
+        found = self._costs.get(key)
+        if found is None:
+            move, steps = self._move(src, dst, meta, key)
+            found = self._seconds.get(move)
+            if found is None:
+                plan = self._plan_of(move, steps, meta, key[0])
+                found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
+                self._seconds[move] = found
+            self._costs[key] = found
+        return found
+
+    def redistribute_costs(
+        self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta
+    ) -> np.ndarray:
+        """``redistribute_cost`` over every pair (a ``Matrix``), cached whole: the same edge groups
+        come back in every re-solve, and on a 3-D mesh one holds ~1,500 pairs."""
+        src_ids, dst_ids = [self._id(o) for o in srcs], [self._id(q) for q in dsts]
+        tensor = _tensor_key(meta)  # each pair's ``_key`` is (src id, dst id, *tensor)
+        key = (tuple(src_ids), tuple(dst_ids), *tensor)
+        found = self._matrices.get(key)
+        if found is None:
+            rows = [
+                [self._cost(o, q, meta, (a, b, *tensor)) for q, b in zip(dsts, dst_ids)] for o, a in zip(srcs, src_ids)
+            ]
+            found = self._matrices[key] = np.array(rows, dtype=float).reshape(len(srcs), len(dsts))
+            found.setflags(write=False)  # shared by every edge with this key
+        return found
+
+    def redistribute_peak_bytes(
+        self, src: Placements, dst: Placements, meta: TensorMeta, consumed: bool = False
+    ) -> int:
+        """The most bytes the move from ``src`` to ``dst`` holds at once on a rank, its result
+        included (a gather on a non-leading dim holds the gathered chunks and their re-laid copy):
+        what the memory model counts while the reading op runs. At least the result's bytes.
+
+        ``consumed``: the move is its source's last reader, so the source is freed once the first
+        primitive has read it: the move's peak with the source counted beside that primitive's
+        output, less the source's bytes (counted where the source is stored): less than the
+        result's bytes where the source's moment is the highest, none where no primitive runs
+        (the result is the source)."""
+        if tuple(src) == tuple(dst):
+            return 0
+        plan = self._plan(src, dst, meta)
+        final = local_bytes(meta, dst, self.topology.shape)
+        if plan is None:
+            return final
+        if not consumed:
+            return max(final, peak_buffer_bytes(plan))
+        source = local_bytes(meta, src, self.topology.shape)
+        return max(0, peak_buffer_bytes(plan, source) - source)
+
+    def redistribute_collectives(
+        self, src: Placements, dst: Placements, meta: TensorMeta
+    ) -> tuple[tuple[str, int], ...]:
+        """The (kind, mesh_dim) primitives of a redistribution in execution order; raises if DTensor cannot."""
+        plan = self._plan(src, dst, meta)
+        if plan is None:
+            raise UnsupportedRedistribution(f"DTensor cannot redistribute {tuple(src)} -> {tuple(dst)}")
+        return tuple((t.kind, t.mesh_dim) for t in plan if t.kind != "relayout")
+
+    def derived(self, key: Any, owner: object, make: Callable[[], Any]) -> Any:
+        """``make()``, worked out once per ``key`` and ``owner`` object: a value derived from a large
+        immutable input (a node's strategy tuple) and this model's costs or mesh, which is matched
+        by identity because hashing it would cost as much as ``make`` (every re-solve asks again)."""
+        found = self._derived.get((key, id(owner)))
+        if found is None or found[0] is not owner:
+            found = self._derived[(key, id(owner))] = (owner, make())
+        return found[1]
+
+    def ideal_seconds(self, flops: float, dtype: torch.dtype) -> float:
+        """``flops`` at the peak rate of ``dtype`` on every device of the mesh at once."""
+        return flops / (self.profile.flops_for(dtype) * math.prod(self.topology.shape))
+
+    def compute_cost(
+        self,
+        flops: float,
+        inputs: Sequence[tuple[TensorMeta, Placements]],
+        outputs: Sequence[tuple[TensorMeta, Placements]],
+        *,
+        is_view: bool = False,
+    ) -> float:
+        """Per-rank seconds of one op: roofline over its local shards, 0 for views/aliases (no kernel runs)."""
+        if is_view:
+            return 0.0
+        shape = self.topology.shape
+        nbytes = sum(local_bytes(meta, placements, shape) for meta, placements in (*inputs, *outputs))
+        dtype = compute_dtype([meta for meta, _ in (*inputs, *outputs)])
+        return roofline_seconds(flops / work_split(inputs, outputs, shape), nbytes, dtype, self.profile)

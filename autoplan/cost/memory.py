@@ -1,0 +1,536 @@
+"""Per-device memory of a plan: what a training step keeps alive, step by step, and its peak.
+
+A stage beside ``costs``: it reads the joint graph and a strategy per node and prices bytes instead
+of seconds. The schedule is the joint graph's order (forward, then backward), which is the order the
+lowered per-rank program runs in. At each step the live bytes are:
+
+- resident: parameters, buffers and the input batch (local shards), and the optimizer's states;
+- values: every op output from the step that makes it to the last step that reads it. Views share
+  their base's storage. Gradients stay until the optimizer step; model outputs stay until the end of
+  the forward (the loss is computed from them) unless the backward reads them. Forward values the
+  backward reads are the activations saved for backward. The outputs' gradients (the backward's
+  tangents) stay to the end of the backward: the autograd engine holds the arguments of the
+  backward it calls (``runtime._PlanFunction``) until that returns, so the lowered graph's dropping
+  them after their last reader frees nothing;
+- transient: an op's inputs moved to another placement, alive while the op runs (the lowering
+  redistributes each input inside the op's own segment, so the moved copy is not kept); likewise
+  a gradient's move into its parameter's placement where it is produced, and the model outputs'
+  moves at the forward's end. A view of a moved input owns the moved copy until the last reader
+  of it or its views.
+
+A step has two moments. While its inputs move, before the op makes anything, each move holds the
+buffers its collectives make around themselves (a gather on a non-leading dim holds the gathered
+chunks and their re-laid copy at once), which are freed before the op runs. While the op runs,
+its moved inputs are their results alone, beside its outputs and the moves of the gradients it
+makes; where such a move is the made copy's last reader, the made copy is freed once the move's
+first collective or copy has read it, and the later buffers do not hold it. The step's bytes are
+the higher moment's.
+
+The ILP bounds the same sums at a few steps (``PeakRows``), each at the moment the walk found
+higher there; every term is the bytes of one node's output under its chosen placement, or a
+move's bytes over the placements at its two ends, which is linear in the placement choice
+(exactly the walk's sum, but for a few rare shapes the rows over-count).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoplan.adapters.dtensor import Placements, tensor_meta
+from autoplan.cost.costs import Price, local_bytes
+from autoplan.plan import MemoryReport
+from autoplan.shard.strategies import Strategy, aliases_input, output_vals, tensor_inputs, value_of
+from autoplan.trace.recompute import closure, just_in_time
+from autoplan.trace.tracing import PHASE_KEY, TracedGraph
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What the optimizer keeps per parameter: AdamW's two fp32 states by default, and an fp32 master
+    copy of parameters stored in a lower precision."""
+
+    states: int = 2
+    state_dtype: torch.dtype = torch.float32
+    master_weights: bool = True
+
+    def bytes_per_param_byte(self, dtype: torch.dtype) -> float:
+        """Optimizer bytes per byte of a (local) parameter of ``dtype``."""
+        per_element = self.states * self.state_dtype.itemsize
+        if self.master_weights and dtype.itemsize < torch.float32.itemsize:
+            per_element += torch.float32.itemsize
+        return per_element / dtype.itemsize
+
+
+ADAMW = OptimizerSpec()
+
+
+class MovePrice(Protocol):
+    """The bytes a move from the placement a value is made in to the one it is read in holds while
+    it runs, its result included; with ``consumed``, where the move is the value's last reader, the
+    bytes beyond the value's own (``CostModel.redistribute_peak_bytes``)."""
+
+    def __call__(self, made: Placements, read: Placements, meta: Any, consumed: bool = False) -> float: ...
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """The backward's copy of a forward value the plan recomputes (``autoplan.trace.recompute``)."""
+
+    node: fx.Node
+
+    @property
+    def name(self) -> str:
+        return f"{self.node.name} (recomputed)"
+
+
+Key = fx.Node | Recomputed  # a schedule entry: a graph node, or the recomputed copy of one
+
+
+def node_of(key: Key) -> fx.Node:
+    return key.node if isinstance(key, Recomputed) else key
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The step order of the joint graph and how long each stored value lives; placement-independent.
+
+    With recompute, the backward's order holds the recomputed copies where the lowering runs them
+    (right before their first reader), and the originals die at their last forward read."""
+
+    order: tuple[Key, ...]
+    step: dict[Key, int]  # call_function and placeholder entries -> position in the schedule
+    owner: dict[Key, Key]  # each value -> the entry whose storage it lives in (views -> base)
+    born: dict[Key, int]  # storage owner -> first step it is alive
+    last_use: dict[Key, int]  # each value -> the last step that reads it (itself, not its views)
+    view_last: dict[Key, int]  # each view -> the last step that reads it or a view of it
+    reads: dict[Key, int]  # each value -> the last op that reads it (graph outputs not counted)
+    dies: dict[Key, int]  # storage owner -> last step it is alive
+    resident: frozenset[fx.Node]  # parameters, buffers, inputs, constants: alive throughout
+    forward_end: int  # the last forward step
+    n_steps: int
+
+
+def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[Key], dict[Key, list[Key]]]:
+    """Entries in run order and the entries each one reads: the backward (and recomputed copies)
+    read the copies of recomputed values."""
+    if not recomputed:
+        return list(nodes), {n: n.all_input_nodes for n in nodes}
+    backward = [n for n in nodes if n.op == "call_function" and n.meta.get(PHASE_KEY) == "backward"]
+    in_backward = set(backward)
+    forward = [n for n in nodes if n not in in_backward]
+    rerun = closure(forward, [a for n in backward for a in n.all_input_nodes], recomputed.__contains__)
+    copies = set(rerun)
+    order: list[Key] = [*forward, *(Recomputed(n) if n in copies else n for n in just_in_time(rerun, backward))]
+
+    def read_in_backward(a: fx.Node) -> Key:
+        return Recomputed(a) if a in copies else a
+
+    inputs: dict[Key, list[Key]] = {}
+    for k in order:
+        n = node_of(k)
+        late = isinstance(k, Recomputed) or n in in_backward
+        inputs[k] = [read_in_backward(a) if late else a for a in n.all_input_nodes]
+    return order, inputs
+
+
+def regathered(nodes: list[fx.Node], params: set[fx.Node]) -> frozenset[fx.Node]:
+    """Forward views of parameters (through views only). Where a plan reads a parameter in another
+    placement, such a view owns the gathered copy, and the lowering gathers it again for the
+    backward instead of keeping it (FSDP's reshard after forward, ``passes.fsdp_recompute``)."""
+    found: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "call_function" and n.meta.get(PHASE_KEY) == "forward" and aliases_input(n):
+            ins = n.all_input_nodes
+            if len(ins) == 1 and (ins[0] in params or ins[0] in found):
+                found.add(n)
+    return frozenset(found)
+
+
+def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> Schedule:
+    """The schedule of the joint graph; ``recomputed``: forward ops the backward runs again (the
+    parameters' gathered views always are, see ``regathered``)."""
+    nodes = [n for n in tg.gm.graph.nodes if n.op in ("placeholder", "call_function", "get_attr")]
+    params = set(tg.placeholder_for("param").values())
+    order, inputs = _order(nodes, recomputed | regathered(nodes, params))
+    step = {k: i for i, k in enumerate(order)}
+    last = len(order) - 1
+    forward_end = max((step[n] for n in nodes if n.meta.get(PHASE_KEY) == "forward"), default=last)
+    kinds = {n: lab[0] for n, lab in zip(tg.placeholders, tg.input_labels)}
+    always = tg.resident()
+    resident = frozenset(n for n in nodes if n.op == "get_attr" or n in always)
+    owner: dict[Key, Key] = {}
+    reads = dict(step)
+    for k in order:
+        ins = inputs[k]
+        owner[k] = owner[ins[0]] if aliases_input(node_of(k)) and ins and ins[0] in owner else k
+        for a in ins:
+            if a in reads:
+                reads[a] = max(reads[a], step[k])
+    last_use = dict(reads)
+    out_kinds = [lab[0] for lab in tg.output_labels]
+    for o, kind in zip(tg.output_node.args[0], out_kinds):
+        if isinstance(o, fx.Node):
+            last_use[o] = max(last_use[o], last if kind.startswith("grad") else forward_end)
+    dies = dict(last_use)
+    view_last = {k: last_use[k] for k in order if owner[k] is not k}
+    for k in order:
+        dies[owner[k]] = max(dies[owner[k]], last_use[k])
+        parent = inputs[k][0] if k in view_last else None
+        while parent in view_last:  # a view of a view keeps what its parent owns alive
+            view_last[parent] = max(view_last[parent], last_use[k])
+            parent = inputs[parent][0]
+    first_backward = forward_end + 1
+    born = {k: (first_backward if kinds.get(k) == "tangent" else step[k]) for k in order}
+    for k in order:  # the autograd engine holds the backward's arguments until it returns
+        if kinds.get(k) == "tangent":
+            dies[k] = last
+    for n in resident:
+        born[n], dies[n] = 0, last
+    return Schedule(
+        tuple(order), step, owner, born, last_use, view_last, reads, dies, resident, forward_end, len(order)
+    )
+
+
+@dataclass(frozen=True)
+class GradientMove:
+    """A parameter's gradient where the schedule makes it. Made in another placement than its
+    parameter's, it is moved there at once (the lowering reduces it where it is made): the made
+    copy lives on only while its readers run, the moved one to the optimizer step."""
+
+    value: fx.Node  # the graph's gradient output
+    param: fx.Node
+    owner: Key  # its storage (it may be a view, e.g. the transpose of a matmul's output)
+    made: int
+    kept: int  # the last step the made copy is alive when moved
+    sole: bool  # its storage holds it alone (one gradient, of the storage's size)
+
+    @property
+    def consumed(self) -> bool:
+        """Its move is its storage's last reader: the made copy is freed once the move's first
+        primitive has read it, so the move's later buffers are held without it."""
+        return self.sole and self.kept == self.made
+
+
+def gradient_moves(tg: TracedGraph, sched: Schedule) -> list[GradientMove]:
+    """Every gradient's ``GradientMove``; placement-independent."""
+    params = tg.placeholder_for("param")
+    pairs = [(o, params[f]) for f, o in tg.outputs_of("grad_param").items() if isinstance(o, fx.Node)]
+    values = {o for o, _ in pairs}
+    count = Counter(sched.owner[o] for o in values)
+    kept: dict[Key, int] = {}
+    for n, owner in sched.owner.items():
+        if owner in count:
+            last = sched.reads[n] if n in values else sched.last_use[n]
+            kept[owner] = max(kept.get(owner, sched.born[owner]), last)
+    return [
+        GradientMove(o, p, w, sched.step[o], kept[w], count[w] == 1 and _numel(node_of(w)) == _numel(o))
+        for o, p in pairs
+        for w in [sched.owner[o]]
+    ]
+
+
+def _numel(n: fx.Node) -> int:
+    return sum(v.numel() for v in output_vals(n) if isinstance(v, torch.Tensor))
+
+
+def _made(value: fx.Node, chosen: dict[fx.Node, Strategy]) -> Placements | None:
+    """The placement ``chosen`` makes ``value`` in (None where it has no strategy)."""
+    u, k = value_of(value)
+    return chosen[u].outputs[k] if u in chosen else None
+
+
+def gradient_prices(
+    moves: list[GradientMove], step: int, move: MovePrice, mesh_shape, before: bool = False
+) -> list[tuple[GradientMove, Price]]:
+    """What each gradient adds at ``step`` (``before``: right before it) to its storage's bytes, as
+    a price of its move (made placement, parameter's placement): the move's buffers where it is
+    made (beyond the made copy's bytes, which it frees, where ``GradientMove.consumed``); the moved
+    copy while the made one lives; afterwards the moved copy in the made one's place (exact for a
+    storage holding one gradient of its own size, else the moved copy on top)."""
+    copy = moved_copy_bytes(mesh_shape)
+
+    def replaced(made: Placements, read: Placements, meta) -> float:
+        return 0.0 if made == read else float(local_bytes(meta, read, mesh_shape) - local_bytes(meta, made, mesh_shape))
+
+    out = []
+    for g in moves:
+        if step < g.made or before and step == g.made:
+            continue
+        made = partial(move, consumed=True) if g.consumed else move
+        out.append((g, made if step == g.made else copy if step <= g.kept or not g.sole else replaced))
+    return out
+
+
+def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shape) -> int:
+    """Local bytes of a node's tensor outputs under ``outputs``."""
+    return sum(
+        local_bytes(tensor_meta(v), pl, mesh_shape)
+        for v, pl in zip(output_vals(node), outputs)
+        if isinstance(v, torch.Tensor) and pl is not None
+    )
+
+
+def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], move: Price) -> float:
+    """Bytes the moves of ``n``'s inputs to the placements ``n`` reads them in hold while it runs."""
+    total = 0.0
+    for a, want in zip(tensor_inputs(n), chosen[n].inputs):
+        u, k = value_of(a)
+        if u in chosen and chosen[u].outputs[k] != want and isinstance(a.meta.get("val"), torch.Tensor):
+            total += move(chosen[u].outputs[k], want, tensor_meta(a.meta["val"]))
+    return total
+
+
+def output_move_bytes(
+    tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements], move: Price
+) -> float:
+    """Bytes the model outputs' moves to their constrained placements (or their tangents') hold at
+    the end of the forward, where the lowering makes them."""
+    total = 0.0
+    for s in tg.output_sinks(fixed_outputs):
+        if s.node not in chosen or (s.fixed is None and s.tangent not in chosen):
+            continue
+        target, made = s.fixed if s.fixed is not None else chosen[s.tangent].outputs[0], chosen[s.node].outputs[0]
+        if made != target:
+            total += move(made, target, tensor_meta(s.node.meta["val"]))
+    return total
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The bytes alive at each step of a schedule under a plan, and the report of its peak."""
+
+    live: np.ndarray
+    report: MemoryReport
+
+
+def walk(
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    mesh_shape,
+    optimizer: OptimizerSpec = ADAMW,
+    sched: Schedule | None = None,
+    move: MovePrice | None = None,
+    fixed_outputs: dict[int, Placements] | None = None,
+) -> Walk:
+    """Walk the schedule under ``chosen`` and find the step with the most bytes alive.
+
+    ``move`` prices what a redistribution holds while it runs (by default its result only; the
+    cost model's ``redistribute_peak_bytes`` adds the buffers collectives make around themselves);
+    ``fixed_outputs``: the placements constrained model outputs are moved to."""
+    sched = sched or schedule(tg)
+    move = move or moved_copy_bytes(mesh_shape)
+    params = tg.placeholder_for("param")
+    per_param = {f: value_bytes(n, chosen[n].outputs, mesh_shape) for f, n in params.items()}
+    optimizer_bytes = int(
+        sum(per_param[f] * optimizer.bytes_per_param_byte(n.meta["val"].dtype) for f, n in params.items())
+    )
+    gms = gradient_moves(tg, sched)
+    grads = {g.owner for g in gms}
+    # a gradient made in another placement than its parameter's is moved there at once (the
+    # lowering reduces it where it is made): the made copy dies after its readers, the moved one stays
+    is_moved = [_made(g.value, chosen) not in (None, chosen[g.param].outputs[0]) for g in gms]
+    moved = [g for g, m in zip(gms, is_moved) if m]
+    dies = dict(sched.dies)
+    kept = {g.owner for g in moved} - {g.owner for g, m in zip(gms, is_moved) if not m}
+    for g in moved:
+        if g.owner in kept:
+            dies[g.owner] = g.kept
+    owned: dict[Key, tuple[int, int, int]] = {}  # storage -> (bytes, first step, last step)
+    for k, owner in sched.owner.items():
+        n = node_of(k)
+        if n not in chosen:
+            continue
+        if owner is k:
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
+        elif _moved_inputs(n, chosen, move):  # a view of a moved value owns the moved copy (its views too)
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.view_last[k])
+    last = sched.n_steps - 1
+    extra = [(value_bytes(g.param, chosen[g.param].outputs, mesh_shape), g.made, last) for g in moved]
+    delta = np.zeros(sched.n_steps + 1)
+    for b, born, dies in [*owned.values(), *extra]:
+        delta[born] += b
+        delta[dies + 1] -= b
+    # the bytes beside the stored ones at each step's two moments: while its op runs (the moved
+    # copies it reads, then the moves of the gradients it makes, and the model outputs' at the
+    # forward's end), and while its inputs move, before it makes anything (the moves' buffers)
+    running = np.zeros(sched.n_steps)
+    moving = np.full(sched.n_steps, -np.inf)
+    copy = moved_copy_bytes(mesh_shape)
+    for k, step in sched.step.items():
+        n = node_of(k)
+        if n in chosen and n.op == "call_function":
+            moving[step] = _moved_inputs(n, chosen, move) - (owned[k][0] if k in owned else 0)
+            if not aliases_input(n):  # a view owns its moved copy (above)
+                running[step] = _moved_inputs(n, chosen, copy)
+    for g in moved:  # what the gradient's move holds besides its result (counted above, from its step)
+        meta = tensor_meta(g.value.meta["val"])
+        want = chosen[g.param].outputs[0]
+        moved_copy = local_bytes(meta, want, mesh_shape)
+        running[g.made] += move(_made(g.value, chosen), want, meta, consumed=g.consumed) - moved_copy
+        moving[g.made] -= moved_copy  # not made yet
+    running[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
+    stored = np.cumsum(delta)[:-1]
+    live = stored + np.maximum(running, moving) + optimizer_bytes
+    t = int(np.argmax(live))
+    peak = sched.order[t]
+    # at the peak while the op's inputs move, what it makes there is not made yet
+    inputs_moving = bool(moving[t] > running[t])
+    held = _moved_inputs(node_of(peak), chosen, move) if inputs_moving else running[t]
+    parts = {"optimizer": optimizer_bytes, "transient": int(held)}
+    parts["gradients"] = sum(b for b, born, dies in extra if born <= t <= dies and not (inputs_moving and born == t))
+    saved = 0
+    for n, (b, born, dies) in owned.items():
+        kind = _kind(n, born, sched, grads)
+        if born <= t <= dies and not (inputs_moving and n is peak):
+            parts[kind] = parts.get(kind, 0) + b
+        if kind == "activations" and dies > sched.forward_end:
+            saved += b
+    report = MemoryReport(
+        param_bytes=sum(per_param.values()),
+        grad_bytes=sum(per_param.values()),  # once reduced into the parameters' placements
+        optimizer_bytes=optimizer_bytes,
+        activation_bytes=saved,
+        peak_bytes=int(live[t]),
+        peak_at=peak.name,
+        peak_phase="backward" if isinstance(peak, Recomputed) else node_of(peak).meta.get(PHASE_KEY, "forward"),
+        peak_parts=dict(sorted(parts.items())),
+        per_param=per_param,
+    )
+    return Walk(live, report)
+
+
+def _kind(n: Key, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
+    if isinstance(n, Recomputed):
+        return "recomputed activations"
+    if n in sched.resident:
+        return "parameters and inputs"
+    if n in grads:
+        return "gradients"
+    return "activations" if born <= sched.forward_end else "backward temporaries"
+
+
+def live_storages(sched: Schedule, step: int) -> list[Key]:
+    """The stored values alive at ``step`` (views counted in their base), whatever the placements."""
+    return [n for n, o in sched.owner.items() if o is n and sched.born[n] <= step <= sched.dies[n]]
+
+
+def stored_at(sched: Schedule, step: int, moving: bool = False) -> list[Key]:
+    """``live_storages`` at ``step``; ``moving``: while the op there has its inputs moved, before
+    it makes its own storage."""
+    made = sched.order[step] if moving else None
+    return [k for k in live_storages(sched, step) if k is not made]
+
+
+def live_profile(sched: Schedule) -> np.ndarray:
+    """Bytes alive at each step with every value unsharded: where the peaks are, whatever the
+    placements (they scale most values alike)."""
+    delta = np.zeros(sched.n_steps + 1)
+    for n, o in sched.owner.items():
+        if o is n:
+            vals = output_vals(node_of(n))
+            b = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+            delta[sched.born[n]] += b
+            delta[sched.dies[n] + 1] -= b
+    return np.cumsum(delta)[:-1]
+
+
+def candidate_steps(sched: Schedule, count: int = 4) -> list[int]:
+    """Where the peak is likely, for the ILP to bound: the end of the forward and the highest local
+    maxima of the unsharded profile."""
+    live = live_profile(sched)
+    left, right = np.r_[-np.inf, live[:-1]], np.r_[live[1:], -np.inf]
+    maxima = np.flatnonzero((live >= left) & (live > right))
+    top = maxima[np.argsort(-live[maxima], kind="stable")][:count]
+    return sorted({sched.forward_end, *(int(t) for t in top)})
+
+
+def chain_peak(sched: Schedule, step: int, live: np.ndarray) -> int:
+    """Of ``step`` and the recomputed copies run right before it (the chain it triggers), the step
+    with the most bytes alive in the profile ``live``: a chain's intermediates can die before the
+    op that needs its end, so the chain's own peak may be above that op's."""
+    first = step
+    while first > 0 and isinstance(sched.order[first - 1], Recomputed):
+        first -= 1
+    return first + int(np.argmax(live[first : step + 1]))
+
+
+def row_bytes(
+    n: fx.Node, outputs: tuple[Placements | None, ...], params: set[fx.Node], mesh_shape, optimizer: OptimizerSpec
+) -> float:
+    """What a live storage adds to an ILP peak row: its bytes, and a parameter's optimizer states."""
+    b = value_bytes(n, outputs, mesh_shape)
+    return b * (1 + optimizer.bytes_per_param_byte(n.meta["val"].dtype)) if n in params else b
+
+
+def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The ops whose moved inputs' copies are alive at ``step``, as an ILP row there counts them:
+    the op run at ``step`` (a recomputed copy's moves count on its option), whose moves hold all
+    their buffers while they run (a view's too: a gather through the whole tensor to take a chunk
+    of it holds the whole tensor) and their results while it runs; and the views alive then, run
+    before, whose input is read in another placement, which hold only the moved result (the view
+    owns it until the last reader of it or its views, see ``walk``)."""
+    n = node_of(sched.order[step])
+    ops = [n] if n.op == "call_function" else []
+    views = {
+        node_of(v)
+        for v, owner in sched.owner.items()
+        if owner is not v and sched.step[v] < step <= sched.view_last[v] and node_of(v).op == "call_function"
+    }
+    return ops, sorted(views, key=sched.step.__getitem__)
+
+
+def moved_copy_bytes(mesh_shape) -> MovePrice:
+    """Bytes of the copy a move from one placement to another makes (none when they are equal). The
+    copy is made while its source is alive, so a consumed source changes nothing."""
+
+    def price(made: Placements, read: Placements, meta, consumed: bool = False) -> float:
+        return 0.0 if made == read else float(local_bytes(meta, read, mesh_shape))
+
+    return price
+
+
+def linear_peak_bytes(
+    sched: Schedule,
+    step: int,
+    chosen: dict[fx.Node, Strategy],
+    params: set[fx.Node],
+    mesh_shape,
+    optimizer,
+    move: MovePrice,
+    grads: list[GradientMove],
+    moving: bool = False,
+) -> int:
+    """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by
+    ``move``; ``grads``: ``gradient_moves``): while its op runs, or with ``moving`` while the op's
+    inputs move, before it makes anything (see ``walk``)."""
+    alive = [node_of(k) for k in stored_at(sched, step, moving)]
+    stored = sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen)
+    ops, views = moves_at(sched, step)
+    copy = moved_copy_bytes(mesh_shape)
+    moved = sum(_moved_inputs(op, chosen, move if moving else copy) for op in ops if op in chosen)
+    moved += sum(_moved_inputs(v, chosen, copy) for v in views if v in chosen)
+    for g, price in gradient_prices(grads, step, move, mesh_shape, moving):
+        made = _made(g.value, chosen)
+        if made is not None:
+            moved += price(made, chosen[g.param].outputs[0], tensor_meta(g.value.meta["val"]))
+    return int(stored + moved)
+
+
+def recompute_changes(
+    base: Schedule, rc: Schedule, rc_live: np.ndarray, step: int, copy: Recomputed | None = None
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """At the base schedule's ``step``: the storages recomputing frees (saved values no longer
+    alive) and those it keeps alive in addition (inputs of recomputed ops saved in their place,
+    and the recomputed copies alive at ``copy``'s run where ``rc`` recomputes it, else at the peak
+    of the chain the step triggers). ``rc_live`` is ``live_profile(rc)``."""
+    before = set(live_storages(base, step))
+    at = rc.step[copy] if copy in rc.step else chain_peak(rc, rc.step[base.order[step]], rc_live)
+    after = {node_of(k) for k in live_storages(rc, at)}
+    return before - after, after - before

@@ -1,0 +1,107 @@
+"""Which communication can run under compute, and where.
+
+A training step's collectives are not all on its critical path. A value computed from parameters
+alone (a weight's all-gather, its transposed view gathered again in backward) does not wait for any
+activation: FSDP prefetches it on a second stream while the previous layer computes. A parameter's
+gradient, once produced, is reduced on that stream while the backward goes on. Everything else (an
+activation's all-reduce in tensor parallelism, a sequence-parallel gather) blocks the op reading it.
+
+So each *segment*, a layer instance in one phase, hides up to min(its compute budget, its
+hideable communication): the step pays ``compute + comm - hidden``. The budget is the compute the
+segment needs at least (each op at its fastest strategy), a constant of the graph: with the compute
+of the chosen strategies instead, the ILP's LP relaxation mixes strategies to balance the two and
+the solve takes minutes instead of seconds, while sensible plans run each op near its fastest
+anyway (a plan that replicates compute is only denied hiding under the extra time). Layers are
+alike, so a layer's own compute stands for the previous layer's, under which its prefetch really
+runs. The ILP and the plan's evaluation both price through this module, so the objective equals
+the expanded plan's cost.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+
+from autoplan.trace.clustering import layer_instances
+from autoplan.trace.tracing import PHASE_KEY, TracedGraph
+
+
+def phase(n: fx.Node) -> str:
+    """``forward`` or ``backward`` (placeholders and the output count as backward)."""
+    return n.meta.get(PHASE_KEY, "backward")
+
+
+def parameter_only(tg: TracedGraph) -> frozenset[fx.Node]:
+    """Nodes whose value depends on parameters alone (and constants): a move of them can be
+    issued ahead of the op that reads it."""
+    params = set(tg.placeholder_for("param").values())
+    found: set[fx.Node] = set()
+    for n in tg.gm.graph.nodes:
+        if n.op == "placeholder":
+            if n in params:
+                found.add(n)
+        elif n.op == "call_function" and all(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return frozenset(found)
+
+
+def segment(instance: str, phase_name: str) -> str:
+    return f"{instance or '(outside layers)'} {phase_name}"
+
+
+@dataclass(frozen=True)
+class Hiding:
+    """Which moves of one traced graph can hide, and under which segment's compute."""
+
+    instance: dict[fx.Node, str]  # node -> layer instance, "" outside repeated layers
+    params: frozenset[fx.Node]
+    early: frozenset[fx.Node]  # parameter-only values
+
+    @classmethod
+    def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None) -> Hiding:
+        if instance is None:
+            instance = {n: i for n, (i, _) in layer_instances(tg).items()}
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), parameter_only(tg))
+
+    def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool) -> str | None:
+        """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.
+
+        ``reader`` reads the moved value in its input (an op) or, with ``into_output``, in its
+        output placement (a parameter taking its gradient, a tangent taking a model output). A
+        parameter-only value read by an op counts in the op's segment; a gradient moved into its
+        parameter's placement counts in its producer's (the move runs while the backward goes on).
+        """
+        if into_output:
+            if reader not in self.params:
+                return None
+            at = src
+        elif reader is None or src not in self.early:
+            return None
+        else:
+            at = reader
+        return segment(self.instance.get(at, ""), phase(at))
+
+
+def least(seconds: np.ndarray) -> float:
+    """An op's compute at its fastest strategy (strategies DTensor cannot run are ``inf``)."""
+    finite = seconds[np.isfinite(seconds)]
+    return float(finite.min()) if finite.size else 0.0
+
+
+def budgets(tg: TracedGraph, least_of: Callable[[fx.Node], float]) -> dict[str, float]:
+    """Per segment (layer instance and phase, as ``evaluate`` sees them): the compute it needs at
+    least, from each node's ``least_of``."""
+    out: dict[str, float] = defaultdict(float)
+    for n, (inst, _) in layer_instances(tg).items():
+        if n.op == "call_function":
+            out[segment(inst, phase(n))] += least_of(n)
+    return dict(out)
+
+
+def hidden_seconds(budget: dict[str, float], comm: dict[str, float]) -> float:
+    """Seconds of communication that run under compute: per segment, the lesser of the two."""
+    return sum(min(budget.get(s, 0.0), c) for s, c in comm.items())

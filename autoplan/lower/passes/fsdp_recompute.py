@@ -1,0 +1,94 @@
+"""FSDP recompute tagging: backward re-gathers a sharded parameter instead of keeping the gathered copy.
+
+Without tags, partitioning saves every forward value the backward reads, including all-gathered
+(unsharded) weights: that breaks FSDP's memory contract (reshard after forward). This pass tags a
+parameter's all-gather, its wait and the whole cheap chain downstream of it (views, dtype casts,
+chunk/cat reassembly, a nested shard's chunk picked by index, further all-gathers of the same
+value) as must-recompute; the partition then copies the chain into the backward graph and saves
+only the shard.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autoplan.lower.collectives import c10d, is_c10d
+
+RECOMPUTE_KEY = "autoplan_recompute"
+
+aten = torch.ops.aten
+# Ops a gathered weight flows through before it is used: no compute worth keeping.
+_CHEAP = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.index_select.default,
+    aten.split.Tensor,
+    aten.chunk.default,
+    aten.cat.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten._to_copy.default,
+    aten.alias.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    operator.getitem,
+}
+
+
+@dataclass(frozen=True)
+class RecomputeStats:
+    chains: int  # parameter all-gathers whose results are re-gathered in backward
+    nodes: int  # nodes tagged must-recompute
+
+
+def _is_forward(n: fx.Node) -> bool:
+    return n.meta.get("partitioner_tag") == "is_forward"
+
+
+def _from_parameter(n: fx.Node, params: set[fx.Node]) -> bool:
+    """Does ``n`` read a parameter through cheap single-input ops only?"""
+    while n not in params:
+        if n.op != "call_function" or n.target not in _CHEAP or len(n.all_input_nodes) != 1:
+            return False
+        n = n.all_input_nodes[0]
+    return True
+
+
+def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeStats:
+    """Tag every forward all-gather of a parameter and its cheap downstream chain."""
+    tagged: set[fx.Node] = set()
+    chains = 0
+    for n in graph.nodes:
+        if not (_is_forward(n) and n.target is c10d.all_gather_into_tensor.default):
+            continue
+        if n in tagged or not _from_parameter(n.args[0], params):
+            continue
+        chains += 1
+        frontier = [n]
+        while frontier:
+            node = frontier.pop()
+            if node in tagged:
+                continue
+            tagged.add(node)
+            for user in node.users:
+                cheap = is_c10d(user) or user.target in _CHEAP
+                # multi-input cheap ops (a ``cat`` of gathered chunks) join once all their inputs
+                # have; a chunk picked by index (a nested shard's own chunk of the gathered weight,
+                # a copy) once its data has: the small index is saved instead
+                data = user.args[:1] if user.target is aten.index_select.default else user.all_input_nodes
+                if _is_forward(user) and cheap and all(a in tagged for a in data):
+                    frontier.append(user)
+    for node in tagged:
+        node.meta[RECOMPUTE_KEY] = True
+    return RecomputeStats(chains=chains, nodes=len(tagged))

@@ -1,0 +1,397 @@
+"""Per-node sharding strategies on an N-D mesh.
+
+A strategy fixes the placements of a node's outputs and the placements it expects for each tensor
+input. Sources, in order: autoplan's own rules (attention kernels, see ``_OWN_RULES``),
+DTensor's single-mesh-dim rules expanded to N-D as a product over mesh dims, DTensor's full N-D
+rules, and finally a replicate-only fallback that warns (or raises in strict mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import warnings
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.adapters import dtensor as dt
+from autoplan.adapters.ops import OpOverload
+from autoplan.adapters.pytree import tree_map
+from autoplan.errors import UnsupportedOpError
+from autoplan.progress import progress
+from autoplan.shard.constraints import placement_error
+from autoplan.trace import attention
+from autoplan.trace.tracing import PATH_KEY
+
+Placements = dt.Placements
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements of a node's outputs (``None`` for non-tensor outputs) and of its tensor inputs."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+
+    @property
+    def output(self) -> Placements:
+        return self.outputs[0]
+
+
+@dataclass(frozen=True)
+class NodeStrategies:
+    strategies: tuple[Strategy, ...]
+    source: str  # "autoplan" | "dtensor-1d" | "dtensor" | "placeholder" | "fallback"
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """A node's fx-node arguments in flattened (args, kwargs) order; duplicates kept (``x + x``)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)  # C++ walk: this runs ~10^6 times at 70B
+    return found
+
+
+def value_of(node: fx.Node) -> tuple[fx.Node, int]:
+    """The (producer, output index) a node's value comes from: getitems read a multi-output producer."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0], node.args[1]
+    return node, 0
+
+
+def output_vals(node: fx.Node) -> tuple:
+    val = node.meta.get("val")
+    return tuple(val) if isinstance(val, (tuple, list)) else (val,)
+
+
+# not marked a view (autograd does not track it as one), but it aliases its input all the same
+_ALIASING = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+def aliases_input(node: fx.Node) -> bool:
+    """Whether an op's output shares its input's storage: views, tuple elements, ``_unsafe_view``.
+    No kernel runs and no bytes are allocated."""
+    if node.op != "call_function":
+        return False
+    op = node.target
+    return op is operator.getitem or op in _ALIASING or getattr(op, "is_view", False)
+
+
+def is_valid(placements: Placements | None, val, mesh_shape: Sequence[int], uneven: bool = False) -> bool:
+    """Reject shards the mesh cannot split evenly (unless ``uneven``: a parameter's storage, see
+    ``autoplan.shard.uneven``), partial integer tensors and exotic placement types: the rules
+    ``constraints.placement_error`` words for users. Ops compute on even shards only."""
+    if placements is None:
+        return True
+    if not isinstance(val, torch.Tensor):
+        return all(isinstance(p, Replicate) for p in placements)
+    return placement_error(placements, val, mesh_shape, whole=False, uneven=uneven) is None
+
+
+def all_placements(val, mesh_shape: Sequence[int], partial: bool = False, uneven: bool = False) -> list[Placements]:
+    """Every valid Replicate/Shard (and optionally Partial) assignment over the mesh dims."""
+    ndim = val.ndim if isinstance(val, torch.Tensor) else 0
+    base = [Replicate(), *[Shard(d) for d in range(ndim)]] + ([Partial()] if partial else [])
+    return [p for p in itertools.product(base, repeat=len(mesh_shape)) if is_valid(p, val, mesh_shape, uneven)]
+
+
+def _product_rows(rows: Sequence[tuple], n_out: int, mesh_ndim: int) -> list[Strategy]:
+    """Combine single-mesh-dim rows into N-D strategies: one row per mesh dim."""
+    out = []
+    for combo in itertools.product(rows, repeat=mesh_ndim):
+        cols = list(zip(*combo))
+        outs = tuple(None if any(p is None for p in c) else tuple(c) for c in cols[:n_out])
+        ins = tuple(tuple(c) for c in cols[n_out:])
+        out.append(Strategy(outs, ins))
+    return out
+
+
+def _follow(val: torch.Tensor, dim: int, size: int, broadcast: Placement) -> Placement:
+    """A tensor broadcast against the 4-D attention scores (a bias, its gradient) on split dim ``dim``:
+    sharded alike where it has that dim, else ``broadcast`` (Replicate for the bias, Partial for its
+    gradient, which sums over the broadcast rows)."""
+    d = dim - (4 - val.ndim)
+    return Shard(d) if d >= 0 and val.shape[d] == size != 1 else broadcast
+
+
+def _sdpa_row(
+    spec: attention.SdpaOp, dim: int | None, query: torch.Tensor, outs: Sequence, ins: Sequence, roles: Sequence[str]
+) -> tuple:
+    """One single-mesh-dim row (out..., in...): split ``dim`` (0 batch, 1 heads, 2 query sequence) or
+    replicate everything (``None``). Keys and values keep their sequence whole (only queries split),
+    so their gradients are partial sums over the local query block. Small tensors with neither a
+    batch nor a head dim (RNG seeds and offsets, rng_state) stay replicated."""
+    rep = Replicate()
+
+    def place(role: str, val, is_output: bool) -> Placement | None:
+        if not isinstance(val, torch.Tensor):
+            return None if is_output else rep
+        if dim is None:
+            return rep
+        if role in ("query", "out", "grad_out", "lse", "grad_query"):
+            return Shard(dim)
+        if role in ("key", "value", "grad_key", "grad_value"):
+            return Shard(dim) if dim < 2 else (Partial() if is_output else rep)
+        if role in ("bias", "grad_bias"):
+            return _follow(val, dim, query.shape[dim], Partial() if is_output else rep)
+        return rep
+
+    return (
+        *(place(r, v, True) for r, v in zip(spec.output_roles, outs)),
+        *(place(r, v, False) for r, v in zip(roles, ins)),
+    )
+
+
+def _sdpa_rows(node: fx.Node) -> list[tuple]:
+    """Batch-, head- and (where valid) query-sequence-parallel attention, for every SDPA kernel.
+
+    Heads: grouped-query keys/values with fewer heads split their head dim too; contiguous head
+    blocks keep each query head with its key/value head whenever both head counts divide (the
+    shape check in ``_filter`` drops the rest). Query sequence: not with a causal mask (a local
+    query block would be masked as if it started at row 0) nor with a logsumexp whose sequence dim
+    is padded (efficient attention rounds it up to 32).
+    """
+    spec = attention.spec_of(node.target)
+    roles = [r for r, a in attention.argument_roles(spec, node.args, node.kwargs) if isinstance(a, fx.Node)]
+    ins = [a.meta.get("val") for a in tensor_inputs(node)]
+    outs = output_vals(node)
+    query = spec.arg(node.args, node.kwargs, "query").meta["val"]
+    lse = outs[spec.output("lse")] if spec.output("lse") is not None else ins[roles.index("lse")]
+    dims: list[int | None] = [None, 0, 1]
+    if not attention.is_causal(spec, node.args, node.kwargs) and lse.shape[2] == query.shape[2]:
+        dims.append(2)
+    return [_sdpa_row(spec, d, query, outs, ins, roles) for d in dims]
+
+
+# Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...).
+# DTensor's GPU attention rules cannot take the RNG and integer values their backward reads.
+_OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple]]] = dict.fromkeys(attention.SDPA_OPS, _sdpa_rows)
+
+
+def _op_key(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple | None:
+    """Everything ``StrategyBuilder._for_op`` reads of ``node``: its op, its arguments with each
+    tensor as its shape, stride and dtype, its outputs alike, its tensor inputs' choices and
+    which of them are the same node; ``None`` when some argument cannot be hashed."""
+
+    def plain(a):
+        if isinstance(a, fx.Node):
+            return ("tensor", *_tensor_key(a.meta.get("val")))
+        return tuple(plain(x) for x in a) if isinstance(a, (list, tuple)) else a
+
+    inputs = tensor_inputs(node)
+    key = (
+        node.target,
+        plain(node.args),
+        tuple(sorted((k, plain(v)) for k, v in node.kwargs.items())),
+        tuple(_tensor_key(v) for v in output_vals(node)),
+        tuple(tuple(choices[a]) for a in inputs),
+        tuple(inputs.index(a) for a in inputs),  # which inputs are one node: ``_full_rule`` asks differently
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _tensor_key(v) -> tuple:
+    return (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else (repr(v),)
+
+
+def _meta_args(node: fx.Node):
+    to_meta = lambda a: dt.tensor_meta(a.meta["val"]) if isinstance(a, fx.Node) else a  # noqa: E731
+    return tree_map(to_meta, node.args), tree_map(to_meta, node.kwargs)
+
+
+def _full_rule(node: fx.Node, mesh: DeviceMesh, choices: dict[fx.Node, list[Placements]]) -> list[Strategy]:
+    """DTensor's N-D rule over all input choices at once, plus one call per aligned choice.
+
+    Rules that follow their inputs (stack, cat, views) answer a many-choice query with the single
+    strategy they prefer, and some raise when *one* choice is unusable; asking again with every
+    input at the same placement recovers the alternatives.
+    """
+    out: list[Strategy] = []
+    error: Exception | None = None
+    try:
+        out += _full_rule_once(node, mesh, choices)
+    except Exception as e:  # noqa: BLE001 - DTensor rules raise many kinds of errors for bad choices
+        error = e
+    nodes = list(dict.fromkeys(tensor_inputs(node)))
+    if len(nodes) == 1 and error is None:
+        return out
+    aligned = [
+        p for p in dict.fromkeys(itertools.chain(*(choices[a] for a in nodes))) if all(p in choices[a] for a in nodes)
+    ]
+    for p in aligned:
+        try:
+            out += _full_rule_once(node, mesh, {a: [p] for a in nodes})
+        except Exception:  # noqa: BLE001
+            continue
+    if not out and error is not None:
+        raise error
+    return out
+
+
+def _full_rule_once(node: fx.Node, mesh: DeviceMesh, choices: dict[fx.Node, list[Placements]]) -> list[Strategy]:
+    def wrap(a):
+        if isinstance(a, fx.Node):
+            return dt.input_choices(mesh, choices[a], dt.tensor_meta(a.meta["val"]))
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, fx.Node) for x in a):
+            return dt.tuple_choices([wrap(x) for x in a])
+        return a
+
+    args = tuple(wrap(a) for a in node.args)
+    kwargs = {k: wrap(v) for k, v in node.kwargs.items()}
+    out = []
+    for outs, ins in dt.full_rule_strategies(node.target, args, kwargs):
+        n_in = len(tensor_inputs(node))
+        out.append(Strategy(outs, ins if ins is not None else (outs[0],) * n_in))
+    return out
+
+
+def _producible(
+    node: fx.Node, cands: list[Strategy], choices: dict[fx.Node, list[Placements]], mesh_shape: Sequence[int]
+) -> list[Strategy]:
+    """Keep strategies whose inputs are placements the producers offer, or fully replicated.
+
+    Expanding single-dim rules is a full product (every Partial flavour, every shard pairing); the
+    inputs no producer can offer would only ever be reached by a redistribution, which the
+    replicated (gathered) variant already covers.
+    """
+    inputs = tensor_inputs(node)
+    offered = [set(choices[a]) | {(Replicate(),) * len(mesh_shape)} for a in inputs]
+    return [s for s in cands if all(p in ok for p, ok in zip(s.inputs, offered))]
+
+
+def _replicate_only(node: fx.Node, mesh_ndim: int) -> list[Strategy]:
+    rep = (Replicate(),) * mesh_ndim
+    outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in output_vals(node))
+    return [Strategy(outs, (rep,) * len(tensor_inputs(node)))]
+
+
+def _filter(node: fx.Node, cands: Iterable[Strategy], mesh_shape: Sequence[int]) -> tuple[Strategy, ...]:
+    ins = [a.meta["val"] for a in tensor_inputs(node)]
+    outs = output_vals(node)
+    seen: dict[Strategy, None] = {}
+    absent = [not isinstance(v, torch.Tensor) for v in outs]
+    for s in cands:
+        if len(s.inputs) != len(ins) or len(s.outputs) != len(outs):
+            continue
+        if any(absent):  # an output the call does not make (a masked-off gradient) has no placement
+            s = Strategy(tuple(None if a else p for p, a in zip(s.outputs, absent)), s.inputs)
+        if all(is_valid(p, v, mesh_shape) for p, v in zip(s.outputs, outs)) and all(
+            is_valid(p, v, mesh_shape) for p, v in zip(s.inputs, ins)
+        ):
+            seen.setdefault(s)
+    return tuple(seen)
+
+
+@dataclass
+class StrategyBuilder:
+    """Enumerates strategies node by node; ``choices`` are the producers' candidate output placements."""
+
+    mesh: DeviceMesh
+    strict: bool = False
+
+    def __post_init__(self):
+        self.mesh_shape = tuple(self.mesh.shape)
+        self._warned: set = set()
+        self._done: dict[tuple, NodeStrategies] = {}  # by ``_op_key``: this builder's mesh is fixed
+
+    def for_op(self, node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> NodeStrategies:
+        """``_for_op``, once per op, arguments and input choices: a layer's two norms, its gate and
+        up projections and their backward ops ask alike (about a third of a LLaMA layer's ops).
+        Each node gets its own tuple of the shared strategies: per-tuple
+        caches (``CostModel.derived``) count on a tuple naming one layer's node."""
+        key = _op_key(node, choices)
+        if key is None:
+            return self._for_op(node, choices)
+        found = self._done.get(key)
+        if found is None:
+            found = self._done[key] = self._for_op(node, choices)
+        return dataclasses.replace(found, strategies=tuple(list(found.strategies)))
+
+    def for_placeholder(self, node: fx.Node, uneven: bool = False) -> NodeStrategies:
+        """Every placement of a graph input; ``uneven``: uneven shards too (a parameter's storage)."""
+        val = node.meta["val"]
+        placements = all_placements(val, self.mesh_shape, uneven=uneven)
+        return NodeStrategies(tuple(Strategy((p,), ()) for p in placements), "placeholder")
+
+    def for_constant(self, node: fx.Node) -> NodeStrategies:
+        """A tensor constant of the graph (a mask, a table built in ``forward``): every rank holds it."""
+        return NodeStrategies((Strategy(((Replicate(),) * len(self.mesh_shape),), ()),), "constant")
+
+    def _for_op(self, node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> NodeStrategies:
+        op = node.target
+        n_in = len(tensor_inputs(node))
+        n_out = len(output_vals(node))
+        rep = (Replicate(),) * n_out + (Replicate(),) * n_in
+        if op in _OWN_RULES:
+            rows, source = _OWN_RULES[op](node), "autoplan"
+            return self._finish(node, _product_rows(rows, n_out, len(self.mesh_shape)), source)
+        if isinstance(op, OpOverload):
+            args_meta, kwargs_meta = _meta_args(node)
+            rows = dt.single_dim_rules(op, args_meta, kwargs_meta)
+            if rows is not None:
+                rows = [r for r in rows if len(r) == n_out + n_in] + [rep]
+                cands = _product_rows(rows, n_out, len(self.mesh_shape))
+                return self._finish(node, _producible(node, cands, choices, self.mesh_shape), "dtensor-1d")
+            if dt.has_full_rule(op):
+                return self._finish(node, _full_rule(node, self.mesh, choices), "dtensor")
+        return self._fallback(node)
+
+    def _finish(self, node: fx.Node, cands: list[Strategy], source: str) -> NodeStrategies:
+        strategies = _filter(node, cands, self.mesh_shape)
+        if not strategies:
+            return self._fallback(node)
+        return NodeStrategies(strategies, source)
+
+    def _fallback(self, node: fx.Node) -> NodeStrategies:
+        path = node.meta.get(PATH_KEY) or "<top level>"
+        msg = f"no sharding rule for {node.target} (node {node.name}, module {path})"
+        if self.strict:
+            raise UnsupportedOpError(msg + "; strict mode forbids running it replicated")
+        if node.target not in self._warned:
+            self._warned.add(node.target)
+            warnings.warn(msg + "; it will run replicated", stacklevel=2)
+        return NodeStrategies(tuple(_replicate_only(node, len(self.mesh_shape))), "fallback")
+
+
+def enumerate_strategies(
+    graph: fx.Graph,
+    rep: dict[fx.Node, fx.Node],
+    builder: StrategyBuilder,
+    uneven: Collection[fx.Node] = frozenset(),
+) -> dict[fx.Node, NodeStrategies]:
+    """Strategies for every representative node, in graph order.
+
+    An input's choices are the placements its producer can output. When the producer has not been
+    enumerated yet (a tied layer reading a later copy's value), every placement is a choice.
+    The placeholders in ``uneven`` (the parameters) may also be stored split unevenly; their
+    readers still get them in even placements (``autoplan.shard.uneven``).
+    """
+    out: dict[fx.Node, NodeStrategies] = {}
+    for n in progress(graph.nodes, "strategies", len(graph.nodes)):
+        if rep[n] is not n:
+            continue
+        if n.op == "placeholder":
+            out[n] = builder.for_placeholder(n, uneven=n in uneven)
+        elif n.op == "get_attr":
+            out[n] = builder.for_constant(n)
+        elif n.op == "call_function" and n.target is not operator.getitem:
+            choices = {}
+            for a in tensor_inputs(n):
+                u, k = value_of(a)
+                if rep[u] in out:
+                    choices[a] = list(dict.fromkeys(s.outputs[k] for s in out[rep[u]].strategies))
+                else:
+                    choices[a] = all_placements(a.meta["val"], builder.mesh_shape, partial=True)
+            out[n] = builder.for_op(n, choices)
+    return out

@@ -1,0 +1,282 @@
+"""Expand the ILP's per-unit choices to every node and price the result from scratch.
+
+Pricing walks the full traced graph (all layers, all edges), independently of clustering and
+follower merging, so the reported cost is the true cost of the expanded plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoplan.adapters.dtensor import TensorMeta, tensor_meta
+from autoplan.cost import overlap
+from autoplan.cost.costs import CostModel
+from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
+from autoplan.shard.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
+from autoplan.solve.problem import PlacementProblem, ideal_seconds, shared_strategy_costs, strategy_costs
+from autoplan.trace.tracing import PATH_KEY, TracedGraph
+
+
+def expand_choice(tg: TracedGraph, problem: PlacementProblem, choice: dict[fx.Node, int]) -> dict[fx.Node, Strategy]:
+    """The strategy of every placeholder and op node (getitems read their producer's output)."""
+    out: dict[fx.Node, Strategy] = {}
+    rep = problem.clustering.rep
+    for n in tg.gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and n.target is not operator.getitem):
+            r = rep[n]
+            unit, m = problem.root[r]
+            out[n] = problem.strategies[r][m[choice[unit]]]
+    for n in tg.gm.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            u, k = value_of(n)
+            out[n] = Strategy((out[u].outputs[k],), ())
+    return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    nodes: dict[str, NodePlan]
+    redistributions: list[Redistribution]
+    cost: CostBreakdown
+
+
+def op_name(n: fx.Node) -> str:
+    return n.name if n.op == "placeholder" else str(n.target)
+
+
+def _op_key(n: fx.Node) -> tuple:
+    """Everything an op's compute cost depends on besides its strategy (so identical layers are
+    priced once, honestly)."""
+    metas = tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype) for a in tensor_inputs(n))
+    outs = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in output_vals(n))
+    kwargs = {k: v for k, v in n.kwargs.items() if not isinstance(v, fx.Node)}
+    consts = repr(([a for a in n.args if not isinstance(a, fx.Node)], kwargs))
+    return (n.target, metas, outs, consts)
+
+
+def evaluate(
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    cost_model: CostModel,
+    fixed_outputs: dict[int, Placements],
+    rules: dict[fx.Node, str],
+    budget: dict[str, float],
+) -> Evaluation:
+    """Price ``chosen``; ``budget``: per overlap segment, the compute communication hides under."""
+    compute_cache: dict[tuple, float] = {}
+    ideal_cache: dict[tuple, float] = {}
+    nodes: dict[str, NodePlan] = {}
+    redistributions: list[Redistribution] = []
+    totals = {"compute_forward": 0.0, "compute_backward": 0.0, "comm_forward": 0.0, "comm_backward": 0.0}
+    hiding = overlap.Hiding.of(tg)
+    seg_comm: dict[str, float] = defaultdict(float)
+    ideal = 0.0
+
+    for n, s in chosen.items():
+        compute = 0.0
+        if n.op == "call_function" and n.target is not operator.getitem:
+            op_key = _op_key(n)
+            # the strategy by identity (copies of a layer hold their representative's, alive while
+            # this runs): hashing its placements runs in Python
+            key = (op_key, id(s))
+            if key not in compute_cache:
+                compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
+            if op_key not in ideal_cache:
+                ideal_cache[op_key] = ideal_seconds(n, cost_model)
+            compute = compute_cache[key]
+            ideal += ideal_cache[op_key]
+            totals[f"compute_{overlap.phase(n)}"] += compute
+        nodes[n.name] = NodePlan(
+            name=n.name,
+            op=op_name(n),
+            module=n.meta.get(PATH_KEY, ""),
+            phase=overlap.phase(n) if n.op != "placeholder" else "",
+            outputs=s.outputs,
+            inputs=s.inputs,
+            compute_s=compute,
+            rule=rules.get(n, ""),
+        )
+
+    for e in _edges(tg, chosen, fixed_outputs):
+        src, dst = _ends(e, chosen.__getitem__)
+        if src == dst:
+            continue
+        meta = tensor_meta(e.value.meta["val"])
+        seconds = cost_model.redistribute_cost(src, dst, meta)
+        collectives = cost_model.redistribute_collectives(src, dst, meta)
+        redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase))
+        totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
+        seg = _hiding_segment(e, hiding)
+        if seg is not None:
+            seg_comm[seg] += seconds
+    hidden = overlap.hidden_seconds(budget, seg_comm)
+    return Evaluation(nodes, redistributions, CostBreakdown(**totals, hidden_comm=hidden, ideal_compute=ideal))
+
+
+@dataclass(frozen=True)
+class _Edge:
+    """A value from ``src`` (output ``k``) to input ``slot`` of ``dst``, or to a sink placed like the
+    placeholder ``dst`` (``slot`` None: a parameter's gradient, an output's tangent) or ``fixed``.
+    ``consumer`` names the reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``)."""
+
+    src: fx.Node
+    k: int
+    value: fx.Node
+    dst: fx.Node | None
+    slot: int | None
+    consumer: str
+    phase: str
+    fixed: Placements | None = None
+
+
+def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements]) -> list[_Edge]:
+    """Every placement-carrying edge of the plan: op inputs in graph order, then the parameters'
+    gradients, then the model outputs with a placement to meet (a constraint, else their tangent's)."""
+    edges = []
+    for n in chosen:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            edges += [_Edge(*value_of(a), a, n, j, n.name, overlap.phase(n)) for j, a in enumerate(tensor_inputs(n))]
+    params = tg.placeholder_for("param")
+    for fqn, g in tg.outputs_of("grad_param").items():
+        if g is not None:
+            edges.append(_Edge(*value_of(g), g, params[fqn], None, f"grad:{fqn}", "backward"))
+    for s in tg.output_sinks(fixed_outputs):
+        edges.append(_Edge(*value_of(s.node), s.node, s.tangent, None, f"output:{s.index}", "forward", s.fixed))
+    return edges
+
+
+def _hiding_segment(e: _Edge, hiding: overlap.Hiding) -> str | None:
+    """The overlap segment whose compute ``e``'s move can hide under, ``None`` if it cannot."""
+    return hiding.segment_of(e.src, e.dst, e.slot is None)
+
+
+def _ends(e: _Edge, strategy_of: Callable[[fx.Node], Strategy]) -> tuple:
+    """The placements ``e`` moves between, with each node's strategy from ``strategy_of``."""
+    src = strategy_of(e.src).outputs[e.k]
+    if e.dst is None:
+        return src, e.fixed
+    d = strategy_of(e.dst)
+    return src, d.output if e.slot is None else d.inputs[e.slot]
+
+
+def _node_key(n: fx.Node) -> tuple:
+    if n.op == "placeholder":
+        val = n.meta.get("val")
+        return ("placeholder", tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else ("placeholder",)
+    return _op_key(n)
+
+
+def alternatives(
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    options: dict[fx.Node, tuple[Strategy, ...]],
+    cost_model: CostModel,
+    fixed_outputs: dict[int, Placements],
+    budget: dict[str, float],
+    keep: int = 3,
+) -> dict[str, tuple[float, tuple[Alternative, ...]]]:
+    """Per node: the chosen strategy's redistribution seconds (into and out of it) and the ``keep``
+    cheapest other strategies, each priced with every other node's choice kept: ``delta_s`` is what
+    the step would change by, overlap included (a move that hides under its layer's ``budget``
+    costs only what spills over). This is the local view ``explain`` needs (why this node, given its
+    neighbours); pins and the memory budget are not applied to the alternatives. Identical layers
+    are priced once, and a node's strategies all at once: each edge's moves as one cost row (a
+    node has hundreds of strategies on a 3-D mesh)."""
+    hiding = overlap.Hiding.of(tg)
+    # each move with its segment and the tensor it moves (its meta made once per value: a stride is a call)
+    touching: dict[fx.Node, list[tuple[_Edge, str | None, TensorMeta]]] = defaultdict(list)
+    metas: dict[fx.Node, TensorMeta] = {}
+    hideable: dict[str, float] = defaultdict(float)
+    for e in _edges(tg, chosen, fixed_outputs):
+        seg = _hiding_segment(e, hiding)
+        if e.value not in metas:
+            metas[e.value] = tensor_meta(e.value.meta["val"])
+        touching[e.src].append((e, seg, metas[e.value]))
+        if e.dst is not None:
+            touching[e.dst].append((e, seg, metas[e.value]))
+        src, dst = _ends(e, chosen.__getitem__)
+        if seg is not None and src != dst:
+            hideable[seg] += cost_model.redistribute_cost(src, dst, metas[e.value])
+
+    def moves(n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
+        """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
+        rows = []
+        for e, _, meta in touching[n]:
+            src, dst = _ends(e, chosen.__getitem__)
+            if e.src is n:
+                ends, other = [s.outputs[e.k] for s in candidates], dst
+                row = cost_model.redistribute_costs(ends, [dst], meta)[:, 0]
+            else:
+                ends, other = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates], src
+                row = cost_model.redistribute_costs([src], ends, meta)[0]
+            # no move where the ends agree (as ``evaluate`` prices it), even one DTensor would refuse
+            rows.append(np.where(cost_model.numbers(ends) == cost_model.numbers([other])[0], 0.0, row))
+        return np.array(rows).reshape(len(rows), len(candidates))
+
+    def step_seconds(n: fx.Node, seconds: np.ndarray) -> np.ndarray:
+        """Per candidate, its moves' exposed seconds plus what each segment they hide under spills
+        over its budget, the other nodes' hideable moves kept (column 0: the chosen strategy)."""
+        segments = [seg for _, seg, _ in touching[n]]
+        out = seconds[[seg is None for seg in segments]].sum(axis=0)
+        for seg in dict.fromkeys(s for s in segments if s is not None):
+            mine = seconds[[s == seg for s in segments]].sum(axis=0)
+            out += np.maximum(hideable[seg] - mine[0] + mine - budget.get(seg, 0.0), 0.0)
+        return out
+
+    memo: dict[tuple, tuple[float, tuple[Alternative, ...]]] = {}
+    out = {}
+    for n, s0 in chosen.items():
+        if n.op == "call_function" and n.target is operator.getitem:
+            continue
+        opts = options.get(n, ())
+        # placements and strategies by identity (every copy of a layer holds its representative's
+        # objects, alive while this runs): hashing placements ran in Python, 340 K times on a 3-D
+        # mesh; each move's segment by its place among the node's (which moves share one), and its state
+        place = {seg: i for i, seg in enumerate(dict.fromkeys(seg for _, seg, _ in touching[n]))}
+        context = tuple(
+            (e.src is n, e.k, e.slot, *map(id, _ends(e, chosen.__getitem__)), meta)
+            + ((place[seg], hideable[seg], budget.get(seg, 0.0)) if seg else ())
+            for e, seg, meta in touching[n]
+        )
+        key = (_node_key(n), id(s0), id(opts), context)
+        if key not in memo:
+            candidates = (s0, *opts)
+            seconds = moves(n, candidates)
+            compute = np.r_[strategy_costs(n, (s0,), cost_model), shared_strategy_costs(n, opts, cost_model)]
+            comm = seconds.sum(axis=0)
+            step = compute + step_seconds(n, seconds)
+            priced = []
+            for i in np.argsort(step[1:], kind="stable") + 1:
+                if len(priced) == keep or not np.isfinite(step[i]):
+                    break
+                s = candidates[i]
+                if s is not s0 and s != s0:
+                    delta = float(step[i] - step[0])
+                    priced.append(Alternative(s.outputs, s.inputs, float(compute[i]), float(comm[i]), delta))
+            memo[key] = (float(comm[0]), tuple(priced))
+        out[n.name] = memo[key]
+    return out
+
+
+def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: dict[int, Placements]) -> Plan:
+    """``plan`` on a graph a pass has rewired: every remaining node keeps its strategy, and the
+    redistributions and costs are computed again from scratch rather than patched."""
+    nodes = [n for n in tg.gm.graph.nodes if n.op != "output"]
+    chosen = {n: Strategy(plan.nodes[n.name].outputs, plan.nodes[n.name].inputs) for n in nodes}
+    rules = {n: plan.nodes[n.name].rule for n in chosen}
+    ev = evaluate(tg, chosen, cost_model, fixed_outputs, rules, plan.overlap_budget)
+    return dataclasses.replace(
+        plan,
+        nodes=ev.nodes,
+        cost=dataclasses.replace(ev.cost, recompute=plan.cost.recompute),  # the recompute choice is kept
+        redistributions=ev.redistributions,
+        passes=dict(plan.passes),
+    )

@@ -1,0 +1,528 @@
+"""The reduced placement problem: strategies and costs for the ILP, after clustering and merging.
+
+Two reductions keep the ILP small without changing what a plan costs:
+- repeated layers share decisions (``Clustering``): costs of a representative count once per copy;
+- followers (single-input ops that can follow every placement their producer offers: views,
+  casts, unary pointwise, reductions) are merged into their producer, so their strategy is a
+  function of the producer's and the edge between them disappears.
+Every remaining edge is grouped by the *placements* on each side rather than by strategies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autoplan.adapters.dtensor import tensor_meta
+from autoplan.adapters.pytree import tree_map
+from autoplan.cost import overlap
+from autoplan.cost.costs import CostModel, Matrix, Price, compute_dtype, pairwise
+from autoplan.cost.flops import node_flops
+from autoplan.progress import progress
+from autoplan.shard.strategies import (
+    NodeStrategies,
+    Placements,
+    Strategy,
+    aliases_input,
+    output_vals,
+    tensor_inputs,
+    value_of,
+)
+from autoplan.trace.clustering import Clustering
+from autoplan.trace.tracing import TracedGraph
+
+
+def is_free(node: fx.Node) -> bool:
+    """Ops that launch no kernel: views and aliases."""
+    return node.op != "call_function" or aliases_input(node)
+
+
+def _flops(node: fx.Node) -> float:
+    to_val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+    args = tree_map(to_val, node.args)
+    kwargs = tree_map(to_val, node.kwargs)
+    return node_flops(node.target, args, kwargs, node.meta.get("val"))
+
+
+def ideal_seconds(node: fx.Node, cost_model: CostModel) -> float:
+    """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""
+    if is_free(node):
+        return 0.0
+    metas = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
+    metas += [tensor_meta(v) for v in output_vals(node) if isinstance(v, torch.Tensor)]
+    return cost_model.ideal_seconds(_flops(node), compute_dtype(metas))
+
+
+def shared_strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
+    """``strategy_costs``, worked out once per strategy tuple: a tuple is shared only by copies of
+    one layer's node (the same op on the same shapes), which cost alike, and re-solves and the
+    plan's explanations ask again."""
+    return cost_model.derived("compute", strategies, functools.partial(strategy_costs, node, strategies, cost_model))
+
+
+def strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
+    """Per-rank compute seconds of each strategy of ``node``."""
+    if is_free(node):  # placeholders, getitems, views: no kernel
+        return np.zeros(len(strategies))
+    ins = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
+    outs = [(i, tensor_meta(v)) for i, v in enumerate(output_vals(node)) if isinstance(v, torch.Tensor)]
+    flops = cost_model.derived("flops", node, functools.partial(_flops, node))  # re-solves ask again
+    return np.array(
+        [
+            cost_model.compute_cost(
+                flops,
+                list(zip(ins, s.inputs)),
+                [(m, s.outputs[i]) for i, m in outs if s.outputs[i] is not None],
+            )
+            for s in strategies
+        ]
+    )
+
+
+@dataclass
+class EdgeGroup:
+    """Redistribution between two units, by placement: ``cost[o, q]`` seconds (already x multiplicity).
+
+    ``src_label[r]`` is the producer-side placement index of the producer unit's strategy r;
+    ``dst_label[s]`` the consumer-side placement index of the consumer unit's strategy s.
+    """
+
+    src: fx.Node
+    dst: fx.Node
+    src_label: np.ndarray
+    dst_label: np.ndarray
+    cost: np.ndarray
+    changes: np.ndarray  # 1 where the placements differ (for the tie-break)
+
+
+@dataclass
+class PlacementProblem:
+    units: list[fx.Node]  # nodes that own ILP variables
+    strategies: dict[fx.Node, tuple[Strategy, ...]]  # every representative node
+    unit_cost: dict[fx.Node, np.ndarray]  # per unit strategy, seconds (compute + folded edges)
+    forbidden: dict[fx.Node, np.ndarray]  # per unit strategy, True where some folded edge is impossible
+    edges: list[EdgeGroup]
+    root: dict[fx.Node, tuple[fx.Node, np.ndarray]]  # representative node -> (unit, unit strategy -> own strategy)
+    clustering: Clustering
+    n_merged: int = 0
+    group_index: dict[tuple, int] = field(default_factory=dict)  # edge key -> index in ``edges``
+    overlap: list[OverlapSegment] = field(default_factory=list)
+    least_compute: dict[fx.Node, float] = field(default_factory=dict)  # representative -> its fastest strategy's s
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear function of the ILP's choice: a value per unit strategy and per edge-group placement
+    pair (seconds or bytes; what a recompute option costs or frees)."""
+
+    units: dict[fx.Node, np.ndarray] = field(default_factory=dict)
+    edges: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add_unit(self, unit: fx.Node, values: np.ndarray) -> None:
+        self.units[unit] = self.units.get(unit, 0) + values
+
+    def add_edge(self, group: int, values: np.ndarray) -> None:
+        self.edges[group] = self.edges.get(group, 0) + values
+
+    def add(self, other: Linear) -> None:
+        for unit, values in other.units.items():
+            self.add_unit(unit, values)
+        for group, values in other.edges.items():
+            self.add_edge(group, values)
+
+
+@dataclass(frozen=True)
+class OverlapSegment:
+    """One layer (its copies together) in one phase (``autoplan.cost.overlap``): it hides up to the
+    lesser of its compute ``budget`` and its ``hideable`` seconds, linear in the choice."""
+
+    name: str
+    budget: float
+    hideable: Linear
+
+
+@dataclass(frozen=True)
+class _Edge:
+    """One (producer value, consumer slot) edge priced by placement, and where its cost lands."""
+
+    src_unit: fx.Node
+    dst_unit: fx.Node
+    srcs: list
+    dsts: list
+    src_label: np.ndarray
+    dst_label: np.ndarray
+    cost: np.ndarray  # seconds per (producer placement, consumer placement), one edge
+    unit: fx.Node | None  # the unit that absorbs the cost when no edge variables are needed
+    index: np.ndarray | None  # per strategy of ``unit``: its entry of the flattened cost
+    key: tuple | None  # the edge group, when both sides choose
+
+    def per_strategy(self, cost: np.ndarray) -> np.ndarray:
+        return cost.reshape(-1)[self.index]
+
+
+def _edge(strats, root, price: Matrix, ur: fx.Node, k: int, cr: fx.Node, slot, own_labels=None) -> _Edge:
+    """The edge from ``ur``'s output ``k`` to ``cr``'s input ``slot``, each placement pair priced
+    by ``price`` (a redistribution's seconds, or the bytes of the moved copy). ``own_labels(node,
+    side, values)``: ``_labels(values())``, possibly kept (a node's placements on one side, over
+    all its strategies)."""
+    own_labels = own_labels or (lambda node, side, values: _labels(values()))
+    meta = tensor_meta(output_vals(ur)[k])
+    src_unit, src_map = root[ur]
+    dst_unit, dst_map = root[cr]
+    out = own_labels(ur, ("out", k), lambda: [s.outputs[k] for s in strats[ur]])
+    into = own_labels(cr, ("in", slot), lambda: [_slot_placement(s, slot) for s in strats[cr]])
+    srcs, src_label = _mapped(out, src_map)
+    dsts, dst_label = _mapped(into, dst_map)
+    cost = price(srcs, dsts, meta)
+    parts = (src_unit, dst_unit, srcs, dsts, src_label, dst_label, cost)
+    if src_unit is dst_unit:
+        return _Edge(*parts, src_unit, src_label * len(dsts) + dst_label, None)
+    if len(srcs) == 1:
+        return _Edge(*parts, dst_unit, dst_label, None)
+    if len(dsts) == 1:
+        return _Edge(*parts, src_unit, src_label, None)
+    return _Edge(*parts, None, None, (src_unit, dst_unit, src_label.tobytes(), dst_label.tobytes()))
+
+
+def forward_costs(
+    tg: TracedGraph, problem: PlacementProblem, cost_model: CostModel, node_sets: list[frozenset[fx.Node]]
+) -> list[Linear]:
+    """Seconds to run each set of forward ops once more: their compute and the moves of their
+    inputs, except inputs read from parameters, buffers and the batch (re-gathered weights are
+    already recomputed for FSDP). Identical layers share representatives, priced once."""
+    resident = tg.resident()
+    compute: dict[fx.Node, np.ndarray] = {}
+    edges: dict[tuple, _Edge] = {}
+    return [_forward_cost(problem, cost_model, nodes, resident, compute, edges) for nodes in node_sets]
+
+
+def _forward_cost(problem, cost_model, nodes, resident, compute: dict, edges: dict) -> Linear:
+    """``compute`` and ``edges``: what was priced already, per representative and per
+    (producer rep, output, consumer rep, slot)."""
+    rep, out = problem.clustering.rep, Linear()
+    for n in sorted(nodes, key=lambda n: n.name):
+        if rep[n] not in problem.root:  # a tuple's element: no decision, no kernel
+            continue
+        unit, m = problem.root[rep[n]]
+        if rep[n] not in compute:
+            compute[rep[n]] = strategy_costs(rep[n], problem.strategies[rep[n]], cost_model)
+        out.add_unit(unit, compute[rep[n]][m])
+        for j, a in enumerate(tensor_inputs(n)):
+            u, k = value_of(a)
+            if u in resident:
+                continue
+            key = (rep[u], k, rep[n], j)
+            if key not in edges:
+                edges[key] = _edge(problem.strategies, problem.root, cost_model.redistribute_costs, *key)
+            _add_edge(out, problem, edges[key])
+    return out
+
+
+def _add_edge(out: Linear, problem: PlacementProblem, edge: _Edge) -> None:
+    """``edge``'s values as a term of ``out``: on a unit where one side has no choice, else on its group."""
+    if edge.key is None:
+        out.add_unit(edge.unit, edge.per_strategy(edge.cost))
+    else:
+        out.add_edge(problem.group_index[edge.key], edge.cost)
+
+
+def input_moves(problem: PlacementProblem, nodes: Iterable[fx.Node], price: Price) -> Linear:
+    """``price`` of each tensor input of ``nodes`` over the placement it is made in and the one its
+    reader reads it in, as a function of the choice (e.g. the bytes of the copies a move makes)."""
+    rep, out, matrix = problem.clustering.rep, Linear(), pairwise(price)
+    for n in nodes:
+        if rep.get(n) not in problem.root:
+            continue
+        for j, a in enumerate(tensor_inputs(n)):
+            u, k = value_of(a)
+            if rep.get(u) in problem.root and isinstance(output_vals(u)[k], torch.Tensor):
+                _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, rep[u], k, rep[n], j))
+    return out
+
+
+def gradient_moves(problem: PlacementProblem, moves: Iterable[tuple[fx.Node, fx.Node, Price]]) -> Linear:
+    """``price`` of each (gradient, parameter, price): over the placement the gradient is made in and
+    its parameter's, as a function of the choice."""
+    rep, out = problem.clustering.rep, Linear()
+    for value, param, price in moves:
+        u, k = value_of(value)
+        if rep.get(u) in problem.root and rep.get(param) in problem.root:
+            edge = _edge(problem.strategies, problem.root, pairwise(price), rep[u], k, rep[param], "out")
+            _add_edge(out, problem, edge)
+    return out
+
+
+def output_moves(
+    tg: TracedGraph, problem: PlacementProblem, fixed_outputs: dict[int, Placements], price: Price
+) -> Linear:
+    """``price`` of moving each model output to where it must end up (its constrained placement,
+    else its tangent's), as a function of the choice."""
+    out, matrix = Linear(), pairwise(price)
+    edges, sinks = output_sinks(tg, problem.clustering, fixed_outputs)
+    for ur, k, cr, slot in edges:
+        if ur in problem.root and cr in problem.root:
+            _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, ur, k, cr, slot))
+    for ur, k, placements in sinks:
+        if ur in problem.root:
+            meta = tensor_meta(output_vals(ur)[k])
+            unit, m = problem.root[ur]
+            out.add_unit(unit, np.array([price(problem.strategies[ur][i].outputs[k], placements, meta) for i in m]))
+    return out
+
+
+def op_inputs(tg: TracedGraph) -> list[tuple[fx.Node, int, fx.Node, int]]:
+    """Every op's tensor inputs as (op, slot, producer, output index), in graph order."""
+    out = []
+    for n in tg.gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            out += [(n, j, *value_of(a)) for j, a in enumerate(tensor_inputs(n))]
+    return out
+
+
+def _op_inputs(tg: TracedGraph, cost_model: CostModel) -> list[tuple[fx.Node, int, fx.Node, int]]:
+    """``op_inputs``, walked once per plan: the main build and every re-solve's read it (a walk of
+    LLaMA-3 70B's 25 K nodes per build, twice)."""
+    return cost_model.derived("op inputs", tg.gm.graph, functools.partial(op_inputs, tg))
+
+
+def _producer_reps(inputs: list[tuple], clustering: Clustering) -> dict[fx.Node, set]:
+    """For each representative, the representatives its (single) input comes from over all its copies."""
+    found: dict[fx.Node, set] = defaultdict(set)
+    rep = clustering.rep
+    for n, _, u, k in inputs:
+        found[rep[n]].add((rep[u], k))
+    return found
+
+
+def _single_use_view(v: fx.Node) -> bool:
+    """A view read exactly once: redistributing before it costs what redistributing after it would.
+
+    A view with several readers is a place where one redistribution can serve them all, so it keeps
+    its own decision.
+    """
+    if not is_free(v) or v.op != "call_function" or v.target is operator.getitem:
+        return False
+    (user, *rest) = v.users or [None]
+    return (
+        not rest
+        and user is not None
+        and user.op == "call_function"
+        and len(tensor_inputs(user)) >= 1
+        and sum(a is v for a in tensor_inputs(user)) == 1
+    )
+
+
+def merge_followers(
+    inputs: list[tuple], clustering: Clustering, strategies: dict[fx.Node, NodeStrategies]
+) -> dict[fx.Node, tuple[fx.Node, np.ndarray]]:
+    """Decide which nodes follow their producer (``inputs``: ``op_inputs``); returns node ->
+    (producer rep, producer idx -> own idx)."""
+    producers = _producer_reps(inputs, clustering)
+    follow: dict[fx.Node, tuple[fx.Node, np.ndarray]] = {}
+
+    def root_of(n: fx.Node) -> fx.Node:
+        while n in follow:
+            n = follow[n][0]
+        return n
+
+    for v, ns in strategies.items():
+        if not _single_use_view(v) or len(producers.get(v, ())) != 1:
+            continue
+        ((u, k),) = producers[v]
+        if u not in strategies or root_of(u) is v:
+            continue
+        by_input: dict[Placements, list[int]] = defaultdict(list)
+        for i, s in enumerate(ns.strategies):
+            if len(set(s.inputs)) == 1:
+                by_input[s.inputs[0]].append(i)
+        mapping = []
+        for s in strategies[u].strategies:
+            hits = by_input.get(s.outputs[k], [])
+            if len(hits) != 1:
+                break
+            mapping.append(hits[0])
+        else:
+            follow[v] = (u, np.array(mapping, dtype=np.int64))
+    return follow
+
+
+def resolve_roots(
+    strategies: dict[fx.Node, NodeStrategies], follow: dict[fx.Node, tuple[fx.Node, np.ndarray]]
+) -> dict[fx.Node, tuple[fx.Node, np.ndarray]]:
+    root: dict[fx.Node, tuple[fx.Node, np.ndarray]] = {}
+
+    def resolve(n: fx.Node) -> tuple[fx.Node, np.ndarray]:
+        if n not in root:
+            if n in follow:
+                parent, local = follow[n]
+                r, m = resolve(parent)
+                root[n] = (r, local[m])
+            else:
+                root[n] = (n, np.arange(len(strategies[n].strategies)))
+        return root[n]
+
+    for n in strategies:
+        resolve(n)
+    return root
+
+
+def _slot_placement(s: Strategy, slot) -> Placements | None:
+    """What a consumer strategy expects: input ``slot`` or, for ``"out"`` sinks, its own output."""
+    return s.outputs[0] if slot == "out" else s.inputs[slot]
+
+
+def _changes(srcs: list, dsts: list, cost_model: CostModel) -> np.ndarray:
+    """1 where a producer placement differs from a consumer one, by the cost model's numbers for
+    placement tuples (hashing the placements themselves runs in Python: a 3-D mesh's 63 per side
+    made every build, and every re-solve's, pay for it)."""
+    return (cost_model.numbers(srcs)[:, None] != cost_model.numbers(dsts)[None, :]).astype(float)
+
+
+def _labels(values: list) -> tuple[list, np.ndarray]:
+    """The distinct values in order of first appearance, and each value's index among them."""
+    distinct = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(distinct)}
+    return distinct, np.array([index[v] for v in values], dtype=np.int64)
+
+
+def _mapped(labels: tuple[list, np.ndarray], m: np.ndarray) -> tuple[list, np.ndarray]:
+    """``_labels`` of the values at ``m``, from ``labels`` of them all (numpy, no hashing)."""
+    distinct, label = labels
+    picked = label[m]
+    found, first = np.unique(picked, return_index=True)
+    kept = found[np.argsort(first)]
+    number = np.empty(len(distinct), dtype=np.int64)
+    number[kept] = np.arange(len(kept))
+    return [distinct[i] for i in kept], number[picked]
+
+
+def graph_edges(tg: TracedGraph, clustering: Clustering, inputs: list[tuple]) -> dict[tuple, int]:
+    """(producer rep, output index, consumer rep, slot) -> how many real edges it stands for
+    (``inputs``: ``op_inputs``).
+
+    Slots are tensor-input positions; ``"out"`` marks a value that must arrive in the consumer's
+    *output* placement: a gradient in its parameter's placement, an output in its tangent's.
+    """
+    rep = clustering.rep
+    edges: dict[tuple, int] = defaultdict(int)
+    for n, j, u, k in inputs:
+        edges[(rep[u], k, rep[n], j)] += 1
+    params = tg.placeholder_for("param")
+    for fqn, g in tg.outputs_of("grad_param").items():
+        if g is not None:
+            u, k = value_of(g)
+            edges[(rep[u], k, rep[params[fqn]], "out")] += 1
+    return edges
+
+
+def output_sinks(
+    tg: TracedGraph, clustering: Clustering, fixed_outputs: dict[int, Placements]
+) -> tuple[dict[tuple, int], list[tuple[fx.Node, int, Placements]]]:
+    """Model outputs (``TracedGraph.output_sinks``): edges to their tangents, and moves to fixed placements."""
+    rep = clustering.rep
+    edges: dict[tuple, int] = defaultdict(int)
+    sinks = []
+    for s in tg.output_sinks(fixed_outputs):
+        u, k = value_of(s.node)
+        if s.fixed is not None:
+            sinks.append((rep[u], k, s.fixed))
+        else:
+            edges[(rep[u], k, rep[s.tangent], "out")] += 1
+    return edges, sinks
+
+
+def build_problem(
+    tg: TracedGraph,
+    clustering: Clustering,
+    strategies: dict[fx.Node, NodeStrategies],
+    cost_model: CostModel,
+    fixed_outputs: dict[int, Placements],
+    merge: bool = True,
+    least: dict[fx.Node, float] | None = None,
+) -> PlacementProblem:
+    """``least``: each node's compute at its fastest strategy (``OverlapSegment.budget``), where
+    ``strategies`` were narrowed (a re-solve fixing some layers); else worked out from them."""
+    inputs = _op_inputs(tg, cost_model)
+    follow = merge_followers(inputs, clustering, strategies) if merge else {}
+    root = resolve_roots(strategies, follow)
+    strats = {n: ns.strategies for n, ns in strategies.items()}
+    units = [n for n in strategies if root[n][0] is n]
+    unit_cost = {u: np.zeros(len(strats[u])) for u in units}
+    where = clustering.instance
+    # a re-solve's split clustering keeps its instance map: the walk for parameter-only values runs once
+    hiding = cost_model.derived("hiding", where, functools.partial(overlap.Hiding.of, tg, where))
+    budget: dict[str, float] = defaultdict(float)
+    least = dict(least or {})
+    for v, ss in strats.items():
+        unit, m = root[v]
+        seconds = shared_strategy_costs(v, ss, cost_model)  # a re-solve's untied copies reuse their rep's
+        unit_cost[unit] += (seconds * clustering.multiplicity[v])[m]
+        least.setdefault(v, overlap.least(seconds))
+        budget[overlap.segment(where.get(v, ""), overlap.phase(v))] += least[v] * clustering.multiplicity[v]
+
+    edge_mult = graph_edges(tg, clustering, inputs)
+    out_edges, sinks = output_sinks(tg, clustering, fixed_outputs)
+    for key, mult in out_edges.items():
+        edge_mult[key] += mult
+
+    groups: dict[tuple, EdgeGroup] = {}
+    hideable: list[tuple[str, _Edge]] = []
+
+    def own_labels(node, side, values):  # a node's strategy tuple outlives a build (re-solves)
+        return cost_model.derived(("labels", side), strats[node], lambda: _labels(values()))
+
+    for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
+        edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)
+        cost = edge.cost * mult
+        name = hiding.segment_of(ur, cr, slot == "out")
+        if name is not None:
+            hideable.append((name, dataclasses.replace(edge, cost=cost)))
+        if edge.key is None:
+            unit_cost[edge.unit] += edge.per_strategy(cost)
+        elif edge.key in groups:
+            groups[edge.key].cost = groups[edge.key].cost + cost
+        else:
+            changes = _changes(edge.srcs, edge.dsts, cost_model)
+            groups[edge.key] = EdgeGroup(edge.src_unit, edge.dst_unit, edge.src_label, edge.dst_label, cost, changes)
+    for ur, k, placements in sinks:
+        meta = tensor_meta(output_vals(ur)[k])
+        unit, m = root[ur]
+        unit_cost[unit] += np.array(
+            [cost_model.redistribute_cost(strats[ur][i].outputs[k], placements, meta) for i in m]
+        )
+
+    forbidden = {u: ~np.isfinite(c) for u, c in unit_cost.items()}
+    for u, c in unit_cost.items():
+        c[forbidden[u]] = 0.0
+    problem = PlacementProblem(
+        units=units,
+        strategies=strats,
+        unit_cost=unit_cost,
+        forbidden=forbidden,
+        edges=list(groups.values()),
+        root=root,
+        clustering=clustering,
+        n_merged=len(follow),
+        group_index={key: i for i, key in enumerate(groups)},
+    )
+    comm: dict[str, Linear] = defaultdict(Linear)
+    for name, edge in hideable:
+        _add_edge(comm[name], problem, edge)
+    problem.overlap = [OverlapSegment(name, budget[name], comm[name]) for name in sorted(comm)]
+    problem.least_compute = least
+    return problem
+
+
+def allowed_strategies(problem: PlacementProblem, node: fx.Node, placements: Placements) -> list[int]:
+    """Unit strategy indices under which ``node`` outputs ``placements``."""
+    rep = problem.clustering.rep[node]
+    _, m = problem.root[rep]
+    return [r for r, i in enumerate(m) if problem.strategies[rep][i].outputs[0] == tuple(placements)]
