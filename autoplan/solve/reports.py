@@ -4,8 +4,10 @@ re-solves. They save to JSON as the plain dicts they replaced, key for key, and 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+import numpy as np
 
 from solvers import SolveResult
 
@@ -56,7 +58,8 @@ class SolverReport(_ReadsAsDict):
 
     @classmethod
     def of(cls, result: SolveResult) -> SolverReport:
-        return cls(**{**cls._known(result.to_dict()), "x": None})
+        plain = replace(result, x=np.zeros(0)).to_dict()  # the solution vector, never listed to be dropped
+        return cls(**{**cls._known(plain), "x": None})
 
     @classmethod
     def from_dict(cls, d: dict) -> SolverReport:
