@@ -59,11 +59,14 @@ def test_a_long_mip_logs_its_incumbent_bound_gap_and_seconds(monkeypatch, caplog
     solve(multi_knapsack(300, 15)[0], lp_first=False, time_limit=0.5, log=log)
     assert not caplog.records
     caplog.set_level(logging.INFO, logger=log.name)
-    result = solve(multi_knapsack(300, 15)[0], lp_first=False, time_limit=1.0, log=log)
+    result = solve(multi_knapsack(300, 15)[0], lp_first=False, time_limit=2.0, log=log)
     lines = [r.getMessage() for r in caplog.records if r.name == log.name]
     pattern = r"MIP mkp: incumbent (-?[\d.e+]+|none yet), bound -?[\d.e+]+, gap ([\d.]+%|unknown), (\d+\.\d) s elapsed"
     found = [re.fullmatch(pattern, line) for line in lines]
-    assert len(found) >= 3 and all(found), lines
+    # HiGHS calls back at its own pace (seconds apart in some phases on a busy machine), so the
+    # count of lines depends on the machine; their spacing and content do not
+    assert len(found) >= 2 and all(found), lines
     assert found[-1].group(1) != "none yet" and found[-1].group(2).endswith("%")
     assert float(found[-1].group(1)) >= result.objective  # the incumbent only improves
-    assert [float(m.group(3)) for m in found] == sorted(float(m.group(3)) for m in found)
+    seconds = [float(m.group(3)) for m in found]
+    assert all(b - a >= 0.2 - 0.05 for a, b in zip(seconds, seconds[1:])), seconds
