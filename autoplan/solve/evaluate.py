@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.fx as fx
 
-from autoplan.adapters.dtensor import TensorMeta, tensor_meta
+from autoplan.adapters.dtensor import TensorMeta
 from autoplan.cost import overlap
 from autoplan.cost.costs import CostModel
+from autoplan.cost.moves import Move, moves
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
 from autoplan.shard.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
 from autoplan.solve.problem import PlacementProblem, ideal_seconds, shared_strategy_costs, strategy_costs
@@ -76,7 +76,6 @@ def evaluate(
     nodes: dict[str, NodePlan] = {}
     redistributions: list[Redistribution] = []
     totals = {"compute_forward": 0.0, "compute_backward": 0.0, "comm_forward": 0.0, "comm_backward": 0.0}
-    hiding = overlap.Hiding.of(tg)
     seg_comm: dict[str, float] = defaultdict(float)
     ideal = 0.0
 
@@ -105,66 +104,18 @@ def evaluate(
             rule=rules.get(n, ""),
         )
 
-    for e in _edges(tg, chosen, fixed_outputs):
-        src, dst = _ends(e, chosen.__getitem__)
+    for e in moves(tg, fixed_outputs):
+        src, dst = e.ends(chosen.__getitem__)
         if src == dst:
             continue
-        meta = tensor_meta(e.value.meta["val"])
-        seconds = cost_model.redistribute_cost(src, dst, meta)
-        collectives = cost_model.redistribute_collectives(src, dst, meta)
+        seconds = cost_model.redistribute_cost(src, dst, e.meta)
+        collectives = cost_model.redistribute_collectives(src, dst, e.meta)
         redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase))
         totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
-        seg = _hiding_segment(e, hiding)
-        if seg is not None:
-            seg_comm[seg] += seconds
+        if e.segment is not None:
+            seg_comm[e.segment] += seconds
     hidden = overlap.hidden_seconds(budget, seg_comm)
     return Evaluation(nodes, redistributions, CostBreakdown(**totals, hidden_comm=hidden, ideal_compute=ideal))
-
-
-@dataclass(frozen=True)
-class _Edge:
-    """A value from ``src`` (output ``k``) to input ``slot`` of ``dst``, or to a sink placed like the
-    placeholder ``dst`` (``slot`` None: a parameter's gradient, an output's tangent) or ``fixed``.
-    ``consumer`` names the reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``)."""
-
-    src: fx.Node
-    k: int
-    value: fx.Node
-    dst: fx.Node | None
-    slot: int | None
-    consumer: str
-    phase: str
-    fixed: Placements | None = None
-
-
-def _edges(tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements]) -> list[_Edge]:
-    """Every placement-carrying edge of the plan: op inputs in graph order, then the parameters'
-    gradients, then the model outputs with a placement to meet (a constraint, else their tangent's)."""
-    edges = []
-    for n in chosen:
-        if n.op == "call_function" and n.target is not operator.getitem:
-            edges += [_Edge(*value_of(a), a, n, j, n.name, overlap.phase(n)) for j, a in enumerate(tensor_inputs(n))]
-    params = tg.placeholder_for("param")
-    for fqn, g in tg.outputs_of("grad_param").items():
-        if g is not None:
-            edges.append(_Edge(*value_of(g), g, params[fqn], None, f"grad:{fqn}", "backward"))
-    for s in tg.output_sinks(fixed_outputs):
-        edges.append(_Edge(*value_of(s.node), s.node, s.tangent, None, f"output:{s.index}", "forward", s.fixed))
-    return edges
-
-
-def _hiding_segment(e: _Edge, hiding: overlap.Hiding) -> str | None:
-    """The overlap segment whose compute ``e``'s move can hide under, ``None`` if it cannot."""
-    return hiding.segment_of(e.src, e.dst, e.slot is None)
-
-
-def _ends(e: _Edge, strategy_of: Callable[[fx.Node], Strategy]) -> tuple:
-    """The placements ``e`` moves between, with each node's strategy from ``strategy_of``."""
-    src = strategy_of(e.src).outputs[e.k]
-    if e.dst is None:
-        return src, e.fixed
-    d = strategy_of(e.dst)
-    return src, d.output if e.slot is None else d.inputs[e.slot]
 
 
 def _node_key(n: fx.Node) -> tuple:
@@ -190,27 +141,26 @@ def alternatives(
     neighbours); pins and the memory budget are not applied to the alternatives. Identical layers
     are priced once, and a node's strategies all at once: each edge's moves as one cost row (a
     node has hundreds of strategies on a 3-D mesh)."""
-    hiding = overlap.Hiding.of(tg)
     # each move with its segment and the tensor it moves (its meta made once per value: a stride is a call)
-    touching: dict[fx.Node, list[tuple[_Edge, str | None, TensorMeta]]] = defaultdict(list)
+    touching: dict[fx.Node, list[tuple[Move, str | None, TensorMeta]]] = defaultdict(list)
     metas: dict[fx.Node, TensorMeta] = {}
     hideable: dict[str, float] = defaultdict(float)
-    for e in _edges(tg, chosen, fixed_outputs):
-        seg = _hiding_segment(e, hiding)
+    for e in moves(tg, fixed_outputs):
+        seg = e.segment
         if e.value not in metas:
-            metas[e.value] = tensor_meta(e.value.meta["val"])
+            metas[e.value] = e.meta
         touching[e.src].append((e, seg, metas[e.value]))
         if e.dst is not None:
             touching[e.dst].append((e, seg, metas[e.value]))
-        src, dst = _ends(e, chosen.__getitem__)
+        src, dst = e.ends(chosen.__getitem__)
         if seg is not None and src != dst:
             hideable[seg] += cost_model.redistribute_cost(src, dst, metas[e.value])
 
-    def moves(n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
+    def seconds_of(n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
         """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
         rows = []
         for e, _, meta in touching[n]:
-            src, dst = _ends(e, chosen.__getitem__)
+            src, dst = e.ends(chosen.__getitem__)
             if e.src is n:
                 ends, other = [s.outputs[e.k] for s in candidates], dst
                 row = cost_model.redistribute_costs(ends, [dst], meta)[:, 0]
@@ -242,14 +192,14 @@ def alternatives(
         # mesh; each move's segment by its place among the node's (which moves share one), and its state
         place = {seg: i for i, seg in enumerate(dict.fromkeys(seg for _, seg, _ in touching[n]))}
         context = tuple(
-            (e.src is n, e.k, e.slot, *map(id, _ends(e, chosen.__getitem__)), meta)
+            (e.src is n, e.k, e.slot, *map(id, e.ends(chosen.__getitem__)), meta)
             + ((place[seg], hideable[seg], budget.get(seg, 0.0)) if seg else ())
             for e, seg, meta in touching[n]
         )
         key = (_node_key(n), id(s0), id(opts), context)
         if key not in memo:
             candidates = (s0, *opts)
-            seconds = moves(n, candidates)
+            seconds = seconds_of(n, candidates)
             compute = np.r_[strategy_costs(n, (s0,), cost_model), shared_strategy_costs(n, opts, cost_model)]
             comm = seconds.sum(axis=0)
             step = compute + step_seconds(n, seconds)

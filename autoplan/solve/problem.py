@@ -23,9 +23,11 @@ import torch.fx as fx
 
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.adapters.pytree import tree_map
+from autoplan.cost import moves as cost_moves
 from autoplan.cost import overlap
 from autoplan.cost.costs import CostModel, Matrix, Price, compute_dtype, pairwise
 from autoplan.cost.flops import node_flops
+from autoplan.cost.moves import Move, moves
 from autoplan.progress import progress
 from autoplan.shard.strategies import (
     NodeStrategies,
@@ -265,32 +267,31 @@ def output_moves(
 ) -> Linear:
     """``price`` of moving each model output to where it must end up (its constrained placement,
     else its tangent's), as a function of the choice."""
-    out, matrix = Linear(), pairwise(price)
-    edges, sinks = output_sinks(tg, problem.clustering, fixed_outputs)
-    for ur, k, cr, slot in edges:
+    out, matrix, rep = Linear(), pairwise(price), problem.clustering.rep
+    sinks = cost_moves.output_moves(tg, fixed_outputs)
+    tangents = dict.fromkeys((rep[m.src], m.k, rep[m.dst]) for m in sinks if m.dst is not None)
+    for ur, k, cr in tangents:
         if ur in problem.root and cr in problem.root:
-            _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, ur, k, cr, slot))
-    for ur, k, placements in sinks:
-        if ur in problem.root:
-            meta = tensor_meta(output_vals(ur)[k])
-            unit, m = problem.root[ur]
-            out.add_unit(unit, np.array([price(problem.strategies[ur][i].outputs[k], placements, meta) for i in m]))
+            _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, ur, k, cr, "out"))
+    for m in sinks:
+        ur = rep[m.src]
+        if m.dst is None and ur in problem.root:
+            meta = tensor_meta(output_vals(ur)[m.k])
+            unit, i = problem.root[ur]
+            out.add_unit(unit, np.array([price(problem.strategies[ur][j].outputs[m.k], m.fixed, meta) for j in i]))
     return out
 
 
-def op_inputs(tg: TracedGraph) -> list[tuple[fx.Node, int, fx.Node, int]]:
-    """Every op's tensor inputs as (op, slot, producer, output index), in graph order."""
-    out = []
-    for n in tg.gm.graph.nodes:
-        if n.op == "call_function" and n.target is not operator.getitem:
-            out += [(n, j, *value_of(a)) for j, a in enumerate(tensor_inputs(n))]
-    return out
-
-
-def _op_inputs(tg: TracedGraph, cost_model: CostModel) -> list[tuple[fx.Node, int, fx.Node, int]]:
-    """``op_inputs``, walked once per plan: the main build and every re-solve's read it (a walk of
+def _moves(tg: TracedGraph, cost_model: CostModel, fixed_outputs: dict[int, Placements]) -> list[Move]:
+    """``moves``, built once per plan: the main build and every re-solve's read it (a walk of
     LLaMA-3 70B's 25 K nodes per build, twice)."""
-    return cost_model.derived("op inputs", tg.gm.graph, functools.partial(op_inputs, tg))
+    key = ("moves", tuple(sorted(fixed_outputs.items())))
+    return cost_model.derived(key, tg.gm.graph, functools.partial(moves, tg, fixed_outputs))
+
+
+def op_inputs(all_moves: list[Move]) -> list[tuple[fx.Node, int, fx.Node, int]]:
+    """The ops' tensor inputs among ``all_moves`` as (op, slot, producer, output index), in graph order."""
+    return [(m.dst, m.slot, m.src, m.k) for m in all_moves if m.slot is not None]
 
 
 def _producer_reps(inputs: list[tuple], clustering: Clustering) -> dict[fx.Node, set]:
@@ -404,38 +405,23 @@ def _mapped(labels: tuple[list, np.ndarray], m: np.ndarray) -> tuple[list, np.nd
     return [distinct[i] for i in kept], number[picked]
 
 
-def graph_edges(tg: TracedGraph, clustering: Clustering, inputs: list[tuple]) -> dict[tuple, int]:
-    """(producer rep, output index, consumer rep, slot) -> how many real edges it stands for
-    (``inputs``: ``op_inputs``).
+def move_counts(
+    all_moves: list[Move], clustering: Clustering
+) -> tuple[dict[tuple, int], list[tuple[fx.Node, int, Placements]]]:
+    """``all_moves`` by representatives: (producer rep, output index, consumer rep, slot) -> how many
+    moves it stands for, and the moves to fixed placements as (producer rep, output index, placements).
 
     Slots are tensor-input positions; ``"out"`` marks a value that must arrive in the consumer's
     *output* placement: a gradient in its parameter's placement, an output in its tangent's.
     """
     rep = clustering.rep
     edges: dict[tuple, int] = defaultdict(int)
-    for n, j, u, k in inputs:
-        edges[(rep[u], k, rep[n], j)] += 1
-    params = tg.placeholder_for("param")
-    for fqn, g in tg.outputs_of("grad_param").items():
-        if g is not None:
-            u, k = value_of(g)
-            edges[(rep[u], k, rep[params[fqn]], "out")] += 1
-    return edges
-
-
-def output_sinks(
-    tg: TracedGraph, clustering: Clustering, fixed_outputs: dict[int, Placements]
-) -> tuple[dict[tuple, int], list[tuple[fx.Node, int, Placements]]]:
-    """Model outputs (``TracedGraph.output_sinks``): edges to their tangents, and moves to fixed placements."""
-    rep = clustering.rep
-    edges: dict[tuple, int] = defaultdict(int)
     sinks = []
-    for s in tg.output_sinks(fixed_outputs):
-        u, k = value_of(s.node)
-        if s.fixed is not None:
-            sinks.append((rep[u], k, s.fixed))
+    for m in all_moves:
+        if m.dst is None:
+            sinks.append((rep[m.src], m.k, m.fixed))
         else:
-            edges[(rep[u], k, rep[s.tangent], "out")] += 1
+            edges[(rep[m.src], m.k, rep[m.dst], "out" if m.slot is None else m.slot)] += 1
     return edges, sinks
 
 
@@ -450,7 +436,8 @@ def build_problem(
 ) -> PlacementProblem:
     """``least``: each node's compute at its fastest strategy (``OverlapSegment.budget``), where
     ``strategies`` were narrowed (a re-solve fixing some layers); else worked out from them."""
-    inputs = _op_inputs(tg, cost_model)
+    all_moves = _moves(tg, cost_model, fixed_outputs)
+    inputs = op_inputs(all_moves)
     follow = merge_followers(inputs, clustering, strategies) if merge else {}
     root = resolve_roots(strategies, follow)
     strats = {n: ns.strategies for n, ns in strategies.items()}
@@ -468,10 +455,7 @@ def build_problem(
         least.setdefault(v, overlap.least(seconds))
         budget[overlap.segment(where.get(v, ""), overlap.phase(v))] += least[v] * clustering.multiplicity[v]
 
-    edge_mult = graph_edges(tg, clustering, inputs)
-    out_edges, sinks = output_sinks(tg, clustering, fixed_outputs)
-    for key, mult in out_edges.items():
-        edge_mult[key] += mult
+    edge_mult, sinks = move_counts(all_moves, clustering)
 
     groups: dict[tuple, EdgeGroup] = {}
     hideable: list[tuple[str, _Edge]] = []

@@ -1,0 +1,86 @@
+"""Every edge of a traced graph that carries a placement: the one list of the moves a plan may make.
+
+A move takes a value from the placement its producer makes it in to the one its reader wants: an
+op's tensor input, a parameter's gradient (into its parameter's placement, where the optimizer step
+reads it), a model output (into its constrained placement, else its tangent's). The list depends on
+the graph and the output constraints alone, not on the placements chosen, so it is built once and
+every pricing of a plan reads it: the ILP's edges, the expanded plan's redistributions, ``explain``'s
+alternatives.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autoplan.adapters.dtensor import TensorMeta, tensor_meta
+from autoplan.cost import overlap
+from autoplan.shard.strategies import Placements, Strategy, tensor_inputs, value_of
+from autoplan.trace.tracing import TracedGraph
+
+
+@dataclass(frozen=True)
+class Move:
+    """``value``, output ``k`` of ``src``, into input ``slot`` of ``dst``, or into a sink placed like
+    the placeholder ``dst`` (``slot`` None: a parameter taking its gradient, a tangent taking a model
+    output) or like ``fixed`` (``dst`` None: a constrained model output). ``consumer`` names the
+    reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``); ``segment``: the overlap segment
+    whose compute the move can hide under (``overlap.Hiding.segment_of``), None if it cannot."""
+
+    src: fx.Node
+    k: int
+    value: fx.Node
+    dst: fx.Node | None
+    slot: int | None
+    consumer: str
+    phase: str
+    segment: str | None
+    fixed: Placements | None = None
+
+    @functools.cached_property
+    def meta(self) -> TensorMeta:
+        """The moved tensor's metadata (made on first use: reading a stride is a call)."""
+        return tensor_meta(self.value.meta["val"])
+
+    def ends(self, strategy_of: Callable[[fx.Node], Strategy]) -> tuple[Placements, Placements]:
+        """The placements the move takes the value between, each node's strategy from ``strategy_of``."""
+        src = strategy_of(self.src).outputs[self.k]
+        if self.dst is None:
+            return src, self.fixed
+        d = strategy_of(self.dst)
+        return src, d.output if self.slot is None else d.inputs[self.slot]
+
+
+def moves(tg: TracedGraph, fixed_outputs: dict[int, Placements], hiding: overlap.Hiding | None = None) -> list[Move]:
+    """Every move of ``tg``'s plans: op inputs in graph order, then the parameters' gradients, then
+    the model outputs with a placement to meet (``TracedGraph.output_sinks``). ``hiding``: where
+    moves hide (``overlap.Hiding.of(tg)`` unless given)."""
+    hiding = hiding or overlap.Hiding.of(tg)
+    out = []
+    for n in tg.gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            ph = overlap.phase(n)
+            for j, a in enumerate(tensor_inputs(n)):
+                u, k = value_of(a)
+                out.append(Move(u, k, a, n, j, n.name, ph, hiding.segment_of(u, n, False)))
+    params = tg.placeholder_for("param")
+    for fqn, g in tg.outputs_of("grad_param").items():
+        if g is not None:
+            u, k = value_of(g)
+            out.append(
+                Move(u, k, g, params[fqn], None, f"grad:{fqn}", "backward", hiding.segment_of(u, params[fqn], True))
+            )
+    return out + output_moves(tg, fixed_outputs)
+
+
+def output_moves(tg: TracedGraph, fixed_outputs: dict[int, Placements]) -> list[Move]:
+    """The model outputs' moves (``TracedGraph.output_sinks``): none hides, it ends the forward."""
+    out = []
+    for s in tg.output_sinks(fixed_outputs):
+        u, k = value_of(s.node)
+        out.append(Move(u, k, s.node, s.tangent, None, f"output:{s.index}", "forward", None, s.fixed))
+    return out
