@@ -10,7 +10,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.adapters.dtensor import redistribute_steps, tensor_meta
-from autoplan.cost.costs import CostModel, UnsupportedRedistribution, local_bytes, local_shape
+from autoplan.cost.costs import CostModel, UnsupportedRedistribution, largest_shard_shape, local_bytes
 from autoplan.cost.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, resolve_profile
 from autoplan.cost.flops import node_flops
 from autoplan.cost.network import GroupSpan, MeshTopology, collective_seconds, flat_collective_seconds
@@ -556,7 +556,7 @@ def test_a_local_step_writes_the_shard_it_leaves(model):
 
 
 def local_shape_of(m, placements, mesh) -> tuple[int, ...]:
-    return local_shape(m.shape, placements, mesh.shape)
+    return largest_shard_shape(m.shape, placements, mesh.shape)
 
 
 def test_placements_are_numbered_by_value_whatever_object_holds_them():

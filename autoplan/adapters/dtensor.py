@@ -43,6 +43,16 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
 
 
+def tensor_key(v) -> tuple:
+    """What a cost or a strategy reads of a tensor (a tensor or its ``TensorMeta``): its shape,
+    stride and dtype; any other value as its ``repr``."""
+    if isinstance(v, TensorMeta):
+        return (tuple(v.shape), tuple(v.stride), v.dtype)
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), tuple(v.stride()), v.dtype)
+    return (repr(v),)
+
+
 def make_spec(mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensorSpec:
     return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 

@@ -18,7 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoplan.adapters.dtensor import Placements, TensorMeta, redistribute_transitions, shape_free, shard_dim
+from autoplan.adapters.dtensor import (
+    Placements,
+    TensorMeta,
+    redistribute_transitions,
+    shape_free,
+    shard_dim,
+    tensor_key,
+)
 from autoplan.cost.devices import H100_SXM, DeviceProfile
 from autoplan.cost.network import MeshTopology, collective_seconds
 from autoplan.shard.uneven import gather_runs, largest, uneven_dims
@@ -41,13 +48,13 @@ def pairwise(price: Price) -> Matrix:
 # ---------------------------------------------------------------------------------------------- sizes
 
 
-def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+def largest_shard_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """The largest local shard's shape: DTensor chunks with ceil, so rank 0 holds the biggest piece."""
     return split_shape(shape, [shard_dim(p) for p in placements], mesh_shape)
 
 
 def split_shape(shape: Sequence[int], dims: Sequence[int | None], mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """``local_shape`` from the tensor dim each mesh dim splits (``None``: not split)."""
+    """``largest_shard_shape`` from the tensor dim each mesh dim splits (``None``: not split)."""
     sizes = list(shape)
     for dim, n in zip(dims, mesh_shape, strict=True):
         if dim is not None:
@@ -57,7 +64,7 @@ def split_shape(shape: Sequence[int], dims: Sequence[int | None], mesh_shape: Se
 
 def local_bytes(meta: TensorMeta, placements: Placements, mesh_shape: Sequence[int]) -> int:
     """Bytes of the largest local shard; Replicate and Partial keep the full tensor on every rank."""
-    return math.prod(local_shape(meta.shape, placements, mesh_shape)) * meta.dtype.itemsize
+    return math.prod(largest_shard_shape(meta.shape, placements, mesh_shape)) * meta.dtype.itemsize
 
 
 def work_split(
@@ -291,11 +298,6 @@ class _UnevenMove:
 _UNKNOWN = object()
 
 
-def _tensor_key(meta: TensorMeta) -> tuple:
-    """What a move's cost reads of the tensor it moves."""
-    return (tuple(meta.shape), tuple(meta.stride), meta.dtype)
-
-
 class UnsupportedRedistribution(ValueError):
     """DTensor has no way to perform this placement change."""
 
@@ -350,7 +352,7 @@ class CostModel:
 
     def _key(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple:
         """Everything a redistribution's cost depends on besides the (per-instance) mesh and profile."""
-        return (self._id(src), self._id(dst), *_tensor_key(meta))
+        return (self._id(src), self._id(dst), *tensor_key(meta))
 
     def _move(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple:
         """What a move's primitives depend on: its steps (numbered), the tensor dims its source
@@ -551,7 +553,7 @@ class CostModel:
         """``redistribute_cost`` over every pair (a ``Matrix``), cached whole: the same edge groups
         come back in every re-solve, and on a 3-D mesh one holds ~1,500 pairs."""
         src_ids, dst_ids = [self._id(o) for o in srcs], [self._id(q) for q in dsts]
-        tensor = _tensor_key(meta)  # each pair's ``_key`` is (src id, dst id, *tensor)
+        tensor = tensor_key(meta)  # each pair's ``_key`` is (src id, dst id, *tensor)
         key = (tuple(src_ids), tuple(dst_ids), *tensor)
         found = self._matrices.get(key)
         if found is None:

@@ -27,7 +27,7 @@ from autoplan.adapters.dtensor import redistribute
 from autoplan.adapters.fake import FakeTensor
 from autoplan.adapters.modules import buffer_slots
 from autoplan.adapters.pytree import tree_flatten, tree_map, tree_unflatten
-from autoplan.cost.costs import local_shape as padded_shape
+from autoplan.cost.costs import largest_shard_shape as padded_shape
 from autoplan.lower.collectives import collective_kind, is_c10d
 from autoplan.lower.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers

@@ -175,22 +175,29 @@ def _sdpa_rows(node: fx.Node) -> list[tuple]:
 _OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple]]] = dict.fromkeys(attention.SDPA_OPS, _sdpa_rows)
 
 
-def _op_key(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple | None:
-    """Everything ``StrategyBuilder._for_op`` reads of ``node``: its op, its arguments with each
-    tensor as its shape, stride and dtype, its outputs alike, its tensor inputs' choices and
-    which of them are the same node; ``None`` when some argument cannot be hashed."""
+def op_signature(node: fx.Node) -> tuple:
+    """What an op is besides its placements: its target, its arguments with each tensor as
+    ``tensor_key``, its outputs alike (identical layers' copies of one op have one signature)."""
 
     def plain(a):
         if isinstance(a, fx.Node):
-            return ("tensor", *_tensor_key(a.meta.get("val")))
+            return ("tensor", *dt.tensor_key(a.meta.get("val")))
         return tuple(plain(x) for x in a) if isinstance(a, (list, tuple)) else a
 
-    inputs = tensor_inputs(node)
-    key = (
+    return (
         node.target,
         plain(node.args),
         tuple(sorted((k, plain(v)) for k, v in node.kwargs.items())),
-        tuple(_tensor_key(v) for v in output_vals(node)),
+        tuple(dt.tensor_key(v) for v in output_vals(node)),
+    )
+
+
+def _op_key(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple | None:
+    """Everything ``StrategyBuilder._for_op`` reads of ``node``: its ``op_signature``, its tensor
+    inputs' choices and which of them are the same node; ``None`` when some argument cannot be hashed."""
+    inputs = tensor_inputs(node)
+    key = (
+        *op_signature(node),
         tuple(tuple(choices[a]) for a in inputs),
         tuple(inputs.index(a) for a in inputs),  # which inputs are one node: ``_full_rule`` asks differently
     )
@@ -199,10 +206,6 @@ def _op_key(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple | 
     except TypeError:
         return None
     return key
-
-
-def _tensor_key(v) -> tuple:
-    return (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else (repr(v),)
 
 
 def _meta_args(node: fx.Node):

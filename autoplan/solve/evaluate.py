@@ -20,7 +20,7 @@ from autoplan.cost import overlap
 from autoplan.cost.costs import CostModel
 from autoplan.cost.moves import Move, moves
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
-from autoplan.shard.strategies import Placements, Strategy, output_vals, tensor_inputs, value_of
+from autoplan.shard.strategies import Placements, Strategy, op_signature, value_of
 from autoplan.solve.problem import PlacementProblem, ideal_seconds, shared_strategy_costs, strategy_costs
 from autoplan.trace.tracing import PATH_KEY, TracedGraph
 
@@ -52,14 +52,15 @@ def op_name(n: fx.Node) -> str:
     return n.name if n.op == "placeholder" else str(n.target)
 
 
-def _op_key(n: fx.Node) -> tuple:
-    """Everything an op's compute cost depends on besides its strategy (so identical layers are
-    priced once, honestly)."""
-    metas = tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype) for a in tensor_inputs(n))
-    outs = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in output_vals(n))
-    kwargs = {k: v for k, v in n.kwargs.items() if not isinstance(v, fx.Node)}
-    consts = repr(([a for a in n.args if not isinstance(a, fx.Node)], kwargs))
-    return (n.target, metas, outs, consts)
+def _op_key(n: fx.Node) -> tuple | fx.Node:
+    """Everything an op's compute cost depends on besides its strategy (``op_signature``), so
+    identical layers are priced once; the node itself where its arguments cannot be hashed."""
+    key = op_signature(n)
+    try:
+        hash(key)
+    except TypeError:
+        return n
+    return key
 
 
 def evaluate(
