@@ -44,7 +44,9 @@ import torch
 import torch.fx as fx
 
 from autoplan.adapters.dtensor import Placements, tensor_meta
+from autoplan.cost import moves
 from autoplan.cost.costs import Price, local_bytes
+from autoplan.cost.moves import Move
 from autoplan.plan import MemoryReport
 from autoplan.shard.strategies import Strategy, aliases_input, output_vals, tensor_inputs, value_of
 from autoplan.trace.recompute import closure, just_in_time
@@ -204,12 +206,20 @@ class GradientMove:
     parameter's, it is moved there at once (the lowering reduces it where it is made): the made
     copy lives on only while its readers run, the moved one to the optimizer step."""
 
-    value: fx.Node  # the graph's gradient output
-    param: fx.Node
+    move: Move  # the gradient into its parameter's placement
     owner: Key  # its storage (it may be a view, e.g. the transpose of a matmul's output)
     made: int
     kept: int  # the last step the made copy is alive when moved
     sole: bool  # its storage holds it alone (one gradient, of the storage's size)
+
+    @property
+    def value(self) -> fx.Node:
+        """The graph's gradient output."""
+        return self.move.value
+
+    @property
+    def param(self) -> fx.Node:
+        return self.move.dst
 
     @property
     def consumed(self) -> bool:
@@ -218,11 +228,9 @@ class GradientMove:
         return self.sole and self.kept == self.made
 
 
-def gradient_moves(tg: TracedGraph, sched: Schedule) -> list[GradientMove]:
-    """Every gradient's ``GradientMove``; placement-independent."""
-    params = tg.placeholder_for("param")
-    pairs = [(o, params[f]) for f, o in tg.outputs_of("grad_param").items() if isinstance(o, fx.Node)]
-    values = {o for o, _ in pairs}
+def scheduled_gradients(grads: list[Move], sched: Schedule) -> list[GradientMove]:
+    """Each of the gradients' moves (``moves.gradient_moves``) on ``sched``; placement-independent."""
+    values = {m.value for m in grads}
     count = Counter(sched.owner[o] for o in values)
     kept: dict[Key, int] = {}
     for n, owner in sched.owner.items():
@@ -230,9 +238,9 @@ def gradient_moves(tg: TracedGraph, sched: Schedule) -> list[GradientMove]:
             last = sched.reads[n] if n in values else sched.last_use[n]
             kept[owner] = max(kept.get(owner, sched.born[owner]), last)
     return [
-        GradientMove(o, p, w, sched.step[o], kept[w], count[w] == 1 and _numel(node_of(w)) == _numel(o))
-        for o, p in pairs
-        for w in [sched.owner[o]]
+        GradientMove(m, w, sched.step[m.value], kept[w], count[w] == 1 and _numel(node_of(w)) == _numel(m.value))
+        for m in grads
+        for w in [sched.owner[m.value]]
     ]
 
 
@@ -247,7 +255,7 @@ def _made(value: fx.Node, chosen: dict[fx.Node, Strategy]) -> Placements | None:
 
 
 def gradient_prices(
-    moves: list[GradientMove], step: int, move: MovePrice, mesh_shape, before: bool = False
+    grads: list[GradientMove], step: int, move: MovePrice, mesh_shape, before: bool = False
 ) -> list[tuple[GradientMove, Price]]:
     """What each gradient adds at ``step`` (``before``: right before it) to its storage's bytes, as
     a price of its move (made placement, parameter's placement): the move's buffers where it is
@@ -260,7 +268,7 @@ def gradient_prices(
         return 0.0 if made == read else float(local_bytes(meta, read, mesh_shape) - local_bytes(meta, made, mesh_shape))
 
     out = []
-    for g in moves:
+    for g in grads:
         if step < g.made or before and step == g.made:
             continue
         made = partial(move, consumed=True) if g.consumed else move
@@ -293,12 +301,12 @@ def output_move_bytes(
     """Bytes the model outputs' moves to their constrained placements (or their tangents') hold at
     the end of the forward, where the lowering makes them."""
     total = 0.0
-    for s in tg.output_sinks(fixed_outputs):
-        if s.node not in chosen or (s.fixed is None and s.tangent not in chosen):
+    for m in moves.output_moves(tg, fixed_outputs):
+        if m.value not in chosen or (m.dst is not None and m.dst not in chosen):
             continue
-        target, made = s.fixed if s.fixed is not None else chosen[s.tangent].outputs[0], chosen[s.node].outputs[0]
+        target, made = m.fixed if m.dst is None else chosen[m.dst].outputs[0], chosen[m.value].outputs[0]
         if made != target:
-            total += move(made, target, tensor_meta(s.node.meta["val"]))
+            total += move(made, target, m.meta)
     return total
 
 
@@ -318,12 +326,14 @@ def walk(
     sched: Schedule | None = None,
     move: MovePrice | None = None,
     fixed_outputs: dict[int, Placements] | None = None,
+    grads: list[Move] | None = None,
 ) -> Walk:
     """Walk the schedule under ``chosen`` and find the step with the most bytes alive.
 
     ``move`` prices what a redistribution holds while it runs (by default its result only; the
     cost model's ``redistribute_peak_bytes`` adds the buffers collectives make around themselves);
-    ``fixed_outputs``: the placements constrained model outputs are moved to."""
+    ``fixed_outputs``: the placements constrained model outputs are moved to; ``grads``:
+    ``moves.gradient_moves(tg)``, where it was made already."""
     sched = sched or schedule(tg)
     move = move or moved_copy_bytes(mesh_shape)
     params = tg.placeholder_for("param")
@@ -331,7 +341,7 @@ def walk(
     optimizer_bytes = int(
         sum(per_param[f] * optimizer.bytes_per_param_byte(n.meta["val"].dtype) for f, n in params.items())
     )
-    gms = gradient_moves(tg, sched)
+    gms = scheduled_gradients(moves.gradient_moves(tg) if grads is None else grads, sched)
     grads = {g.owner for g in gms}
     # a gradient made in another placement than its parameter's is moved there at once (the
     # lowering reduces it where it is made): the made copy dies after its readers, the moved one stays
@@ -508,7 +518,7 @@ def linear_peak_bytes(
     moving: bool = False,
 ) -> int:
     """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by
-    ``move``; ``grads``: ``gradient_moves``): while its op runs, or with ``moving`` while the op's
+    ``move``; ``grads``: ``scheduled_gradients``): while its op runs, or with ``moving`` while the op's
     inputs move, before it makes anything (see ``walk``)."""
     alive = [node_of(k) for k in stored_at(sched, step, moving)]
     stored = sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen)

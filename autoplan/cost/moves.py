@@ -57,9 +57,14 @@ class Move:
 
 def moves(tg: TracedGraph, fixed_outputs: dict[int, Placements], hiding: overlap.Hiding | None = None) -> list[Move]:
     """Every move of ``tg``'s plans: op inputs in graph order, then the parameters' gradients, then
-    the model outputs with a placement to meet (``TracedGraph.output_sinks``). ``hiding``: where
-    moves hide (``overlap.Hiding.of(tg)`` unless given)."""
+    the model outputs with a placement to meet. ``hiding``: where moves hide
+    (``overlap.Hiding.of(tg)`` unless given)."""
     hiding = hiding or overlap.Hiding.of(tg)
+    return input_moves(tg, hiding) + gradient_moves(tg, hiding) + output_moves(tg, fixed_outputs)
+
+
+def input_moves(tg: TracedGraph, hiding: overlap.Hiding) -> list[Move]:
+    """The ops' tensor inputs, in graph order."""
     out = []
     for n in tg.gm.graph.nodes:
         if n.op == "call_function" and n.target is not operator.getitem:
@@ -67,18 +72,24 @@ def moves(tg: TracedGraph, fixed_outputs: dict[int, Placements], hiding: overlap
             for j, a in enumerate(tensor_inputs(n)):
                 u, k = value_of(a)
                 out.append(Move(u, k, a, n, j, n.name, ph, hiding.segment_of(u, n, False)))
+    return out
+
+
+def gradient_moves(tg: TracedGraph, hiding: overlap.Hiding | None = None) -> list[Move]:
+    """Each parameter's gradient into its parameter's placement, in the graph's output order."""
+    hiding = hiding or overlap.Hiding.of(tg)
     params = tg.placeholder_for("param")
+    out = []
     for fqn, g in tg.outputs_of("grad_param").items():
         if g is not None:
             u, k = value_of(g)
-            out.append(
-                Move(u, k, g, params[fqn], None, f"grad:{fqn}", "backward", hiding.segment_of(u, params[fqn], True))
-            )
-    return out + output_moves(tg, fixed_outputs)
+            p = params[fqn]
+            out.append(Move(u, k, g, p, None, f"grad:{fqn}", "backward", hiding.segment_of(u, p, True)))
+    return out
 
 
 def output_moves(tg: TracedGraph, fixed_outputs: dict[int, Placements]) -> list[Move]:
-    """The model outputs' moves (``TracedGraph.output_sinks``): none hides, it ends the forward."""
+    """The model outputs' moves (``TracedGraph.output_sinks``): none hides, they end the forward."""
     out = []
     for s in tg.output_sinks(fixed_outputs):
         u, k = value_of(s.node)

@@ -10,6 +10,7 @@ finds the analogue points of tied layers, and says how much of a plan's peak a r
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,12 +19,13 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.cost import memory
+from autoplan.cost import memory, overlap
 from autoplan.cost.costs import CostModel, local_bytes
 from autoplan.cost.devices import DeviceProfile
+from autoplan.cost.moves import Move, gradient_moves, input_moves, output_moves
 from autoplan.shard.strategies import Placements, Strategy
 from autoplan.solve.ilp import BudgetRow, FixedRows, RecomputeVar
-from autoplan.solve.problem import Linear, PlacementProblem, gradient_moves, input_moves, output_moves
+from autoplan.solve.problem import Linear, PlacementProblem, priced_moves
 from autoplan.trace import recompute
 from autoplan.trace.clustering import Clustering
 from autoplan.trace.tracing import TracedGraph
@@ -64,7 +66,12 @@ class PeakRows:
         self.mesh_shape = tuple(self.mesh.shape)
         self.params = set(self.tg.placeholder_for("param").values())
         self.schedule = memory.schedule(self.tg)
-        self.grads = memory.gradient_moves(self.tg, self.schedule)
+        hiding = overlap.Hiding.of(self.tg)
+        self.into: dict[fx.Node, list[Move]] = defaultdict(list)  # each op's input moves
+        for m in input_moves(self.tg, hiding):
+            self.into[m.dst].append(m)
+        self.gradient_moves = gradient_moves(self.tg, hiding)
+        self.grads = memory.scheduled_gradients(self.gradient_moves, self.schedule)
         # what a move holds while it runs depends on the mesh alone, not on the device profile
         self.move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
         self.layers = recompute.layers(self.tg.gm.graph)
@@ -148,7 +155,7 @@ class PeakRows:
         left, right = np.r_[-np.inf, live[:-1]], np.r_[live[1:], -np.inf]
         maxima = np.flatnonzero((live > budget) & (live >= left) & (live > right))
         top = [int(np.argmax(live))] + [int(t) for t in maxima[np.argsort(-live[maxima], kind="stable")]]
-        grads = self.grads if sched is self.schedule else memory.gradient_moves(self.tg, sched)
+        grads = self.grads if sched is self.schedule else memory.scheduled_gradients(self.gradient_moves, sched)
         found: dict[Point, float] = {}
         args = chosen, self.params, self.mesh_shape, self.optimizer, self.move_bytes, grads
         forward_end = self.schedule.order[self.schedule.forward_end]
@@ -232,17 +239,19 @@ class PeakRows:
                     if (i := index.get(option_name(layer, option))) is not None:
                         keeps = self.storage_bytes(problem, k)
                         if layer == rerun:
-                            keeps.add(input_moves(problem, [copy.node], self.move_bytes))
+                            keeps.add(self._input_prices(problem, [copy.node], self.move_bytes))
                         terms.append((i, self.storage_bytes(problem, [n for n in f if n not in made]), keeps))
             coeffs = tuple(self.storage_bytes(problem, alive).units.items())
             ops, views = memory.moves_at(self.schedule, step)
             before = moving or copy is not None
-            moves = input_moves(problem, ops, self.move_bytes if before else copied)
-            moves.add(input_moves(problem, views, copied))
+            moves = self._input_prices(problem, ops, self.move_bytes if before else copied)
+            moves.add(self._input_prices(problem, views, copied))
             grads = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, before)
-            moves.add(gradient_moves(problem, [(g.value, g.param, price) for g, price in grads]))
+            moves.add(priced_moves(problem, [(g.move, price) for g, price in grads]))
             if step == self.schedule.forward_end and not before:  # where the lowering moves the outputs
-                moves.add(output_moves(self.tg, problem, outputs, self.move_bytes))
+                # as ``build_problem`` sums them: those into tangents' placements, then those into constraints
+                sinks = sorted(output_moves(self.tg, outputs), key=lambda m: m.dst is None)
+                moves.add(priced_moves(problem, [(m, self.move_bytes) for m in sinks]))
             group = peak_group(peak_budget)
             name = copy.name if copy is not None else self.schedule.order[step].name
             where = f"{name}, its inputs moving" if moving else name
@@ -250,6 +259,10 @@ class PeakRows:
             row = BudgetRow(f"{group} (at {where})", coeffs, limit, tuple(terms), peak_budget, moves)
             rows.append(row)
         return rows
+
+    def _input_prices(self, problem: PlacementProblem, nodes, price) -> Linear:
+        """``price`` of the moves of ``nodes``' tensor inputs, as a function of the choice."""
+        return priced_moves(problem, [(m, price) for n in nodes for m in self.into.get(n, ())])
 
     def least_params(self, problem: PlacementProblem, row: BudgetRow, fixed: list[FixedRows]) -> tuple[int, dict]:
         """The fewest parameter bytes per device a plan stores under the pins ``fixed``, from the

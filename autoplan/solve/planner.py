@@ -179,7 +179,8 @@ class Planner:
         """The memory report of a plan, the schedule it was walked on and the bytes alive at each step."""
         sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.peak.schedule
         move = self.peak.move_bytes
-        walk = memory.walk(self.tg, chosen, self.mesh_shape, self.optimizer, sched, move, request.outputs)
+        grads = self.peak.gradient_moves
+        walk = memory.walk(self.tg, chosen, self.mesh_shape, self.optimizer, sched, move, request.outputs, grads)
         return walk.report, sched, walk.live
 
     def _solve_within_peak(self, request: Request, solve_with, steps: dict[Point, float], what: str) -> _Solved:

@@ -23,7 +23,6 @@ import torch.fx as fx
 
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.adapters.pytree import tree_map
-from autoplan.cost import moves as cost_moves
 from autoplan.cost import overlap
 from autoplan.cost.costs import CostModel, Matrix, Price, compute_dtype, pairwise
 from autoplan.cost.flops import node_flops
@@ -236,49 +235,22 @@ def _add_edge(out: Linear, problem: PlacementProblem, edge: _Edge) -> None:
         out.add_edge(problem.group_index[edge.key], edge.cost)
 
 
-def input_moves(problem: PlacementProblem, nodes: Iterable[fx.Node], price: Price) -> Linear:
-    """``price`` of each tensor input of ``nodes`` over the placement it is made in and the one its
-    reader reads it in, as a function of the choice (e.g. the bytes of the copies a move makes)."""
-    rep, out, matrix = problem.clustering.rep, Linear(), pairwise(price)
-    for n in nodes:
-        if rep.get(n) not in problem.root:
+def priced_moves(problem: PlacementProblem, priced: Iterable[tuple[Move, Price]]) -> Linear:
+    """Each move's ``price`` over the placement its value is made in and the one it is read in (a
+    constrained output's: its constraint), as a function of the choice (e.g. the bytes of the
+    copy a move makes). Moves whose ends have no decision are left out."""
+    rep, root, out = problem.clustering.rep, problem.root, Linear()
+    for m, price in priced:
+        ur = rep.get(m.src)
+        if ur not in root or not isinstance(output_vals(m.src)[m.k], torch.Tensor):
             continue
-        for j, a in enumerate(tensor_inputs(n)):
-            u, k = value_of(a)
-            if rep.get(u) in problem.root and isinstance(output_vals(u)[k], torch.Tensor):
-                _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, rep[u], k, rep[n], j))
-    return out
-
-
-def gradient_moves(problem: PlacementProblem, moves: Iterable[tuple[fx.Node, fx.Node, Price]]) -> Linear:
-    """``price`` of each (gradient, parameter, price): over the placement the gradient is made in and
-    its parameter's, as a function of the choice."""
-    rep, out = problem.clustering.rep, Linear()
-    for value, param, price in moves:
-        u, k = value_of(value)
-        if rep.get(u) in problem.root and rep.get(param) in problem.root:
-            edge = _edge(problem.strategies, problem.root, pairwise(price), rep[u], k, rep[param], "out")
-            _add_edge(out, problem, edge)
-    return out
-
-
-def output_moves(
-    tg: TracedGraph, problem: PlacementProblem, fixed_outputs: dict[int, Placements], price: Price
-) -> Linear:
-    """``price`` of moving each model output to where it must end up (its constrained placement,
-    else its tangent's), as a function of the choice."""
-    out, matrix, rep = Linear(), pairwise(price), problem.clustering.rep
-    sinks = cost_moves.output_moves(tg, fixed_outputs)
-    tangents = dict.fromkeys((rep[m.src], m.k, rep[m.dst]) for m in sinks if m.dst is not None)
-    for ur, k, cr in tangents:
-        if ur in problem.root and cr in problem.root:
-            _add_edge(out, problem, _edge(problem.strategies, problem.root, matrix, ur, k, cr, "out"))
-    for m in sinks:
-        ur = rep[m.src]
-        if m.dst is None and ur in problem.root:
+        if m.dst is None:
             meta = tensor_meta(output_vals(ur)[m.k])
-            unit, i = problem.root[ur]
+            unit, i = root[ur]
             out.add_unit(unit, np.array([price(problem.strategies[ur][j].outputs[m.k], m.fixed, meta) for j in i]))
+        elif rep.get(m.dst) in root:
+            slot = "out" if m.slot is None else m.slot
+            _add_edge(out, problem, _edge(problem.strategies, root, pairwise(price), ur, m.k, rep[m.dst], slot))
     return out
 
 
