@@ -48,7 +48,7 @@ from autoplan.cost import moves
 from autoplan.cost.costs import Price, local_bytes
 from autoplan.cost.moves import Move
 from autoplan.plan import MemoryReport
-from autoplan.shard.strategies import Strategy, aliases_input, output_vals, tensor_inputs, value_of
+from autoplan.shard.strategies import Strategy, aliases_input, output_vals, value_of
 from autoplan.trace.recompute import closure, just_in_time
 from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 
@@ -288,10 +288,11 @@ def value_bytes(node: fx.Node, outputs: tuple[Placements | None, ...], mesh_shap
 def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], move: Price) -> float:
     """Bytes the moves of ``n``'s inputs to the placements ``n`` reads them in hold while it runs."""
     total = 0.0
-    for a, want in zip(tensor_inputs(n), chosen[n].inputs):
-        u, k = value_of(a)
-        if u in chosen and chosen[u].outputs[k] != want and isinstance(a.meta.get("val"), torch.Tensor):
-            total += move(chosen[u].outputs[k], want, tensor_meta(a.meta["val"]))
+    for m in moves.op_inputs(n):
+        if m.src in chosen and isinstance(m.value.meta.get("val"), torch.Tensor):
+            made, read = m.ends(chosen.__getitem__)
+            if made != read:
+                total += move(made, read, m.meta)
     return total
 
 

@@ -68,10 +68,18 @@ def input_moves(tg: TracedGraph, hiding: overlap.Hiding) -> list[Move]:
     out = []
     for n in tg.gm.graph.nodes:
         if n.op == "call_function" and n.target is not operator.getitem:
-            ph = overlap.phase(n)
-            for j, a in enumerate(tensor_inputs(n)):
-                u, k = value_of(a)
-                out.append(Move(u, k, a, n, j, n.name, ph, hiding.segment_of(u, n, False)))
+            out += op_inputs(n, hiding)
+    return out
+
+
+def op_inputs(n: fx.Node, hiding: overlap.Hiding | None = None) -> list[Move]:
+    """The moves of one op's tensor inputs, the op in the traced graph or a recomputed copy of it in
+    a schedule's; ``segment`` None without ``hiding`` (the memory model prices bytes, not time)."""
+    ph = overlap.phase(n)
+    out = []
+    for j, a in enumerate(tensor_inputs(n)):
+        u, k = value_of(a)
+        out.append(Move(u, k, a, n, j, n.name, ph, hiding.segment_of(u, n, False) if hiding else None))
     return out
 
 
