@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -25,9 +26,12 @@ from autoplan.adapters.dtensor import (
     shape_free,
     shard_dim,
     tensor_key,
+    tensor_meta,
 )
+from autoplan.cost.compute import compute_dtype, flops_of, is_free
 from autoplan.cost.devices import H100_SXM, DeviceProfile
 from autoplan.cost.network import MeshTopology, collective_seconds
+from autoplan.shard.strategies import Strategy, output_vals, tensor_inputs
 from autoplan.shard.uneven import gather_runs, largest, uneven_dims
 
 # a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
@@ -80,12 +84,6 @@ def work_split(
         )
 
     return math.prod(n for d, n in enumerate(mesh_shape) if splits(d))
-
-
-def compute_dtype(tensors: Sequence[TensorMeta]) -> torch.dtype:
-    """The dtype the math runs in: the first floating one (indices and masks do not pick the tensor-core rate)."""
-    fallback = tensors[0].dtype if tensors else torch.float32
-    return next((m.dtype for m in tensors if m.dtype.is_floating_point), fallback)
 
 
 def roofline_seconds(flops: float, nbytes: float, dtype: torch.dtype, profile: DeviceProfile) -> float:
@@ -323,7 +321,8 @@ class CostModel:
         self._transfer_s: dict[tuple, float] = {}  # by (kind, mesh dim, bytes)
         self._templates: dict[tuple, tuple[int, tuple[_Step, ...] | None]] = {}  # per placement pair (``_steps``)
         self._template_ids: dict[tuple[_Step, ...] | None, int] = {}  # a number per distinct steps
-        self._derived: dict[tuple, tuple[object, Any]] = {}
+        self._strategy_seconds: dict[int, tuple[tuple[Strategy, ...], np.ndarray]] = {}  # see ``strategy_seconds``
+        self._flops: dict[fx.Node, float] = {}  # per traced op
         self._kinds: dict[tuple, tuple | None] = {}  # per (source, target) placement: ``step_kinds`` and both dims
         self._uneven: dict[tuple, bool] = {}  # per (``_dims`` entry's number, shape): split unevenly
 
@@ -596,14 +595,47 @@ class CostModel:
             raise UnsupportedRedistribution(f"DTensor cannot redistribute {tuple(src)} -> {tuple(dst)}")
         return tuple((t.kind, t.mesh_dim) for t in plan if t.kind != "relayout")
 
-    def derived(self, key: Any, owner: object, make: Callable[[], Any]) -> Any:
-        """``make()``, worked out once per ``key`` and ``owner`` object: a value derived from a large
-        immutable input (a node's strategy tuple) and this model's costs or mesh, which is matched
-        by identity because hashing it would cost as much as ``make`` (every re-solve asks again)."""
-        found = self._derived.get((key, id(owner)))
-        if found is None or found[0] is not owner:
-            found = self._derived[(key, id(owner))] = (owner, make())
+    def strategy_seconds(self, node: fx.Node, strategies: tuple[Strategy, ...]) -> np.ndarray:
+        """Per-rank compute seconds of each of ``node``'s ``strategies``, worked out once per tuple.
+
+        The tuple is matched by identity, and kept alive beside its result so that its id cannot be
+        reused: hashing its strategies would cost as much as pricing them. A tuple names one op's
+        strategies (``StrategyBuilder.for_op`` gives each node its own), which the copies of a layer
+        share with their representative and cost alike, so re-solves and the plan's explanation
+        find it again."""
+        found = self._strategy_seconds.get(id(strategies))
+        if found is None or found[0] is not strategies:
+            found = self._strategy_seconds[id(strategies)] = (strategies, self._op_seconds(node, strategies))
         return found[1]
+
+    def op_seconds(self, node: fx.Node, strategy: Strategy) -> float:
+        """Per-rank compute seconds of ``node`` under one strategy (not kept)."""
+        return float(self._op_seconds(node, (strategy,))[0])
+
+    def _op_seconds(self, node: fx.Node, strategies: Sequence[Strategy]) -> np.ndarray:
+        if is_free(node):
+            return np.zeros(len(strategies))
+        ins = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
+        outs = [(i, tensor_meta(v)) for i, v in enumerate(output_vals(node)) if isinstance(v, torch.Tensor)]
+        flops = self._flops.get(node)
+        if flops is None:
+            flops = self._flops[node] = flops_of(node)
+        return np.array(
+            [
+                self.compute_cost(
+                    flops, list(zip(ins, s.inputs)), [(m, s.outputs[i]) for i, m in outs if s.outputs[i] is not None]
+                )
+                for s in strategies
+            ]
+        )
+
+    def ideal_op_seconds(self, node: fx.Node) -> float:
+        """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""
+        if is_free(node):
+            return 0.0
+        metas = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
+        metas += [tensor_meta(v) for v in output_vals(node) if isinstance(v, torch.Tensor)]
+        return self.ideal_seconds(flops_of(node), compute_dtype(metas))
 
     def ideal_seconds(self, flops: float, dtype: torch.dtype) -> float:
         """``flops`` at the peak rate of ``dtype`` on every device of the mesh at once."""

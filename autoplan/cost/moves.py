@@ -14,6 +14,7 @@ import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch.fx as fx
 
@@ -28,8 +29,9 @@ class Move:
     """``value``, output ``k`` of ``src``, into input ``slot`` of ``dst``, or into a sink placed like
     the placeholder ``dst`` (``slot`` None: a parameter taking its gradient, a tangent taking a model
     output) or like ``fixed`` (``dst`` None: a constrained model output). ``consumer`` names the
-    reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``); ``segment``: the overlap segment
-    whose compute the move can hide under (``overlap.Hiding.segment_of``), None if it cannot."""
+    reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``); ``kind``: which of the three it is;
+    ``segment``: the overlap segment whose compute the move can hide under
+    (``overlap.Hiding.segment_of``), None if it cannot."""
 
     src: fx.Node
     k: int
@@ -37,6 +39,7 @@ class Move:
     dst: fx.Node | None
     slot: int | None
     consumer: str
+    kind: Literal["input", "gradient", "output"]
     phase: str
     segment: str | None
     fixed: Placements | None = None
@@ -79,7 +82,7 @@ def op_inputs(n: fx.Node, hiding: overlap.Hiding | None = None) -> list[Move]:
     out = []
     for j, a in enumerate(tensor_inputs(n)):
         u, k = value_of(a)
-        out.append(Move(u, k, a, n, j, n.name, ph, hiding.segment_of(u, n, False) if hiding else None))
+        out.append(Move(u, k, a, n, j, n.name, "input", ph, hiding.segment_of(u, n, False) if hiding else None))
     return out
 
 
@@ -92,7 +95,7 @@ def gradient_moves(tg: TracedGraph, hiding: overlap.Hiding | None = None) -> lis
         if g is not None:
             u, k = value_of(g)
             p = params[fqn]
-            out.append(Move(u, k, g, p, None, f"grad:{fqn}", "backward", hiding.segment_of(u, p, True)))
+            out.append(Move(u, k, g, p, None, f"grad:{fqn}", "gradient", "backward", hiding.segment_of(u, p, True)))
     return out
 
 
@@ -101,5 +104,5 @@ def output_moves(tg: TracedGraph, fixed_outputs: dict[int, Placements]) -> list[
     out = []
     for s in tg.output_sinks(fixed_outputs):
         u, k = value_of(s.node)
-        out.append(Move(u, k, s.node, s.tangent, None, f"output:{s.index}", "forward", None, s.fixed))
+        out.append(Move(u, k, s.node, s.tangent, None, f"output:{s.index}", "output", "forward", None, s.fixed))
     return out

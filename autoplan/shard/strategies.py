@@ -312,7 +312,8 @@ class StrategyBuilder:
         """``_for_op``, once per op, arguments and input choices: a layer's two norms, its gate and
         up projections and their backward ops ask alike (about a third of a LLaMA layer's ops).
         Each node gets its own tuple of the shared strategies: per-tuple
-        caches (``CostModel.derived``) count on a tuple naming one layer's node."""
+        caches (``CostModel.strategy_seconds``, ``problem.Shared.labels``) count on a tuple naming
+        one layer's node."""
         key = _op_key(node, choices)
         if key is None:
             return self._for_op(node, choices)

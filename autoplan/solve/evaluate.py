@@ -21,7 +21,7 @@ from autoplan.cost.costs import CostModel
 from autoplan.cost.moves import Move, moves
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
 from autoplan.shard.strategies import Placements, Strategy, op_signature, value_of
-from autoplan.solve.problem import PlacementProblem, ideal_seconds, shared_strategy_costs, strategy_costs
+from autoplan.solve.problem import PlacementProblem
 from autoplan.trace.tracing import PATH_KEY, TracedGraph
 
 
@@ -64,14 +64,14 @@ def _op_key(n: fx.Node) -> tuple | fx.Node:
 
 
 def evaluate(
-    tg: TracedGraph,
     chosen: dict[fx.Node, Strategy],
     cost_model: CostModel,
-    fixed_outputs: dict[int, Placements],
+    all_moves: list[Move],
     rules: dict[fx.Node, str],
     budget: dict[str, float],
 ) -> Evaluation:
-    """Price ``chosen``; ``budget``: per overlap segment, the compute communication hides under."""
+    """Price ``chosen``, its moves ``all_moves`` (``autoplan.cost.moves.moves`` of its graph);
+    ``budget``: per overlap segment, the compute communication hides under."""
     compute_cache: dict[tuple, float] = {}
     ideal_cache: dict[tuple, float] = {}
     nodes: dict[str, NodePlan] = {}
@@ -88,9 +88,9 @@ def evaluate(
             # this runs): hashing its placements runs in Python
             key = (op_key, id(s))
             if key not in compute_cache:
-                compute_cache[key] = float(strategy_costs(n, (s,), cost_model)[0])
+                compute_cache[key] = cost_model.op_seconds(n, s)
             if op_key not in ideal_cache:
-                ideal_cache[op_key] = ideal_seconds(n, cost_model)
+                ideal_cache[op_key] = cost_model.ideal_op_seconds(n)
             compute = compute_cache[key]
             ideal += ideal_cache[op_key]
             totals[f"compute_{overlap.phase(n)}"] += compute
@@ -105,7 +105,7 @@ def evaluate(
             rule=rules.get(n, ""),
         )
 
-    for e in moves(tg, fixed_outputs):
+    for e in all_moves:
         src, dst = e.ends(chosen.__getitem__)
         if src == dst:
             continue
@@ -127,11 +127,10 @@ def _node_key(n: fx.Node) -> tuple:
 
 
 def alternatives(
-    tg: TracedGraph,
     chosen: dict[fx.Node, Strategy],
     options: dict[fx.Node, tuple[Strategy, ...]],
     cost_model: CostModel,
-    fixed_outputs: dict[int, Placements],
+    all_moves: list[Move],
     budget: dict[str, float],
     keep: int = 3,
 ) -> dict[str, tuple[float, tuple[Alternative, ...]]]:
@@ -146,7 +145,7 @@ def alternatives(
     touching: dict[fx.Node, list[tuple[Move, str | None, TensorMeta]]] = defaultdict(list)
     metas: dict[fx.Node, TensorMeta] = {}
     hideable: dict[str, float] = defaultdict(float)
-    for e in moves(tg, fixed_outputs):
+    for e in all_moves:
         seg = e.segment
         if e.value not in metas:
             metas[e.value] = e.meta
@@ -201,7 +200,7 @@ def alternatives(
         if key not in memo:
             candidates = (s0, *opts)
             seconds = seconds_of(n, candidates)
-            compute = np.r_[strategy_costs(n, (s0,), cost_model), shared_strategy_costs(n, opts, cost_model)]
+            compute = np.r_[cost_model.op_seconds(n, s0), cost_model.strategy_seconds(n, opts)]
             comm = seconds.sum(axis=0)
             step = compute + step_seconds(n, seconds)
             priced = []
@@ -223,7 +222,7 @@ def reprice(tg: TracedGraph, plan: Plan, cost_model: CostModel, fixed_outputs: d
     nodes = [n for n in tg.gm.graph.nodes if n.op != "output"]
     chosen = {n: Strategy(plan.nodes[n.name].outputs, plan.nodes[n.name].inputs) for n in nodes}
     rules = {n: plan.nodes[n.name].rule for n in chosen}
-    ev = evaluate(tg, chosen, cost_model, fixed_outputs, rules, plan.overlap_budget)
+    ev = evaluate(chosen, cost_model, moves(tg, fixed_outputs), rules, plan.overlap_budget)
     return dataclasses.replace(
         plan,
         nodes=ev.nodes,

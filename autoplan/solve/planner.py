@@ -23,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoplan.cost import memory, overlap
 from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import DeviceProfile, dtype_name
-from autoplan.cost.peak import PEAK_GROUP, ParamShard, PeakRows, Point, option_name, param_group, peak_group
 from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
 from autoplan.heap import collector_paused
 from autoplan.plan import Plan, placements_str
@@ -31,8 +30,10 @@ from autoplan.shard.strategies import NodeStrategies, Placements, Strategy
 from autoplan.solve import mismatch
 from autoplan.solve.evaluate import alternatives, evaluate, expand_choice
 from autoplan.solve.ilp import POLISH_S, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
+from autoplan.solve.peak import PEAK_GROUP, ParamShard, PeakRows, Point, option_name, param_group, peak_group
 from autoplan.solve.problem import (
     PlacementProblem,
+    Shared,
     allowed_strategies,
     build_problem,
     forward_costs,
@@ -91,7 +92,8 @@ class Planner:
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
         self._started = time.perf_counter()  # when the current ``plan`` began: progress lines say since when
-        self.peak = PeakRows(self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer)
+        self.shared = Shared(self.tg, self.clustering)
+        self.peak = PeakRows(self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer, self.shared)
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class Planner:
         node's strategy (``start``, ``start_recompute``, ``smallest_peak``: see ``solve_placement``;
         ``least``: see ``build_problem``)."""
         problem = build_problem(
-            self.tg, clustering, strategies, cost_model, request.outputs, self.merge_followers, least
+            self.tg, clustering, strategies, cost_model, request.outputs, self.shared, self.merge_followers, least
         )
         options = self._options(problem, request, cost_model)
         budgets = self.peak.rows(problem, request.peak_budget, request.outputs, steps, options)
@@ -460,8 +462,9 @@ class Planner:
         reps = self.clustering.rep
         rules = {n: self.strategies[reps[n]].source for n in chosen if reps[n] in self.strategies}
         budget = overlap.budgets(tg, lambda n: problem.least_compute.get(reps[n], 0.0))
-        ev = evaluate(tg, chosen, cost_model, request.outputs, rules, budget)
-        why = alternatives(tg, chosen, self._explain_options(request, rules), cost_model, request.outputs, budget)
+        all_moves = self.shared.moves(request.outputs)
+        ev = evaluate(chosen, cost_model, all_moves, rules, budget)
+        why = alternatives(chosen, self._explain_options(request, rules), cost_model, all_moves, budget)
         nodes = {
             k: dataclasses.replace(v, comm_s=why[k][0], alternatives=why[k][1]) if k in why else v
             for k, v in ev.nodes.items()

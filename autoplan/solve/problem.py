@@ -11,7 +11,6 @@ Every remaining edge is grouped by the *placements* on each side rather than by 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
@@ -22,70 +21,21 @@ import torch
 import torch.fx as fx
 
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.adapters.pytree import tree_map
 from autoplan.cost import overlap
-from autoplan.cost.costs import CostModel, Matrix, Price, compute_dtype, pairwise
-from autoplan.cost.flops import node_flops
+from autoplan.cost.compute import is_free
+from autoplan.cost.costs import CostModel, Matrix, Price, pairwise
 from autoplan.cost.moves import Move, moves
 from autoplan.progress import progress
 from autoplan.shard.strategies import (
     NodeStrategies,
     Placements,
     Strategy,
-    aliases_input,
     output_vals,
     tensor_inputs,
     value_of,
 )
 from autoplan.trace.clustering import Clustering
 from autoplan.trace.tracing import TracedGraph
-
-
-def is_free(node: fx.Node) -> bool:
-    """Ops that launch no kernel: views and aliases."""
-    return node.op != "call_function" or aliases_input(node)
-
-
-def _flops(node: fx.Node) -> float:
-    to_val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
-    args = tree_map(to_val, node.args)
-    kwargs = tree_map(to_val, node.kwargs)
-    return node_flops(node.target, args, kwargs, node.meta.get("val"))
-
-
-def ideal_seconds(node: fx.Node, cost_model: CostModel) -> float:
-    """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""
-    if is_free(node):
-        return 0.0
-    metas = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
-    metas += [tensor_meta(v) for v in output_vals(node) if isinstance(v, torch.Tensor)]
-    return cost_model.ideal_seconds(_flops(node), compute_dtype(metas))
-
-
-def shared_strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
-    """``strategy_costs``, worked out once per strategy tuple: a tuple is shared only by copies of
-    one layer's node (the same op on the same shapes), which cost alike, and re-solves and the
-    plan's explanations ask again."""
-    return cost_model.derived("compute", strategies, functools.partial(strategy_costs, node, strategies, cost_model))
-
-
-def strategy_costs(node: fx.Node, strategies: tuple[Strategy, ...], cost_model: CostModel) -> np.ndarray:
-    """Per-rank compute seconds of each strategy of ``node``."""
-    if is_free(node):  # placeholders, getitems, views: no kernel
-        return np.zeros(len(strategies))
-    ins = [tensor_meta(a.meta["val"]) for a in tensor_inputs(node)]
-    outs = [(i, tensor_meta(v)) for i, v in enumerate(output_vals(node)) if isinstance(v, torch.Tensor)]
-    flops = cost_model.derived("flops", node, functools.partial(_flops, node))  # re-solves ask again
-    return np.array(
-        [
-            cost_model.compute_cost(
-                flops,
-                list(zip(ins, s.inputs)),
-                [(m, s.outputs[i]) for i, m in outs if s.outputs[i] is not None],
-            )
-            for s in strategies
-        ]
-    )
 
 
 @dataclass
@@ -214,7 +164,7 @@ def _forward_cost(problem, cost_model, nodes, resident, compute: dict, edges: di
             continue
         unit, m = problem.root[rep[n]]
         if rep[n] not in compute:
-            compute[rep[n]] = strategy_costs(rep[n], problem.strategies[rep[n]], cost_model)
+            compute[rep[n]] = cost_model.strategy_seconds(rep[n], problem.strategies[rep[n]])
         out.add_unit(unit, compute[rep[n]][m])
         for j, a in enumerate(tensor_inputs(n)):
             u, k = value_of(a)
@@ -254,11 +204,33 @@ def priced_moves(problem: PlacementProblem, priced: Iterable[tuple[Move, Price]]
     return out
 
 
-def _moves(tg: TracedGraph, cost_model: CostModel, fixed_outputs: dict[int, Placements]) -> list[Move]:
-    """``moves``, built once per plan: the main build and every re-solve's read it (a walk of
-    LLaMA-3 70B's 25 K nodes per build, twice)."""
-    key = ("moves", tuple(sorted(fixed_outputs.items())))
-    return cost_model.derived(key, tg.gm.graph, functools.partial(moves, tg, fixed_outputs))
+class Shared:
+    """What every ILP build of one planner, its re-solves and its plans' pricing read that the trace
+    and the strategies alone decide, worked out once: the moves (``autoplan.cost.moves``) under each
+    set of output constraints (a walk of LLaMA-3 70B's 25 K nodes), where each move can hide (a
+    re-solve's split clustering keeps its instance map), and each strategy tuple's placements on
+    one side (``_labels``)."""
+
+    def __init__(self, tg: TracedGraph, clustering: Clustering) -> None:
+        self.tg = tg
+        self.hiding = overlap.Hiding.of(tg, clustering.instance)
+        self._moves: dict[tuple, list[Move]] = {}  # by the output constraints
+        # by the strategy tuple's identity and the side, kept alive beside its labels so that its id
+        # cannot be reused: hashing a tuple of strategies costs as much as labelling it
+        self._labels: dict[tuple, tuple[tuple[Strategy, ...], tuple[list, np.ndarray]]] = {}
+
+    def moves(self, fixed_outputs: dict[int, Placements]) -> list[Move]:
+        key = tuple(sorted(fixed_outputs.items()))
+        if key not in self._moves:
+            self._moves[key] = moves(self.tg, fixed_outputs, self.hiding)
+        return self._moves[key]
+
+    def labels(self, strategies: tuple[Strategy, ...], side: tuple, values) -> tuple[list, np.ndarray]:
+        """``_labels(values())``, the placements of ``strategies`` on ``side``."""
+        found = self._labels.get((id(strategies), side))
+        if found is None or found[0] is not strategies:
+            found = self._labels[(id(strategies), side)] = (strategies, _labels(values()))
+        return found[1]
 
 
 def op_inputs(all_moves: list[Move]) -> list[tuple[fx.Node, int, fx.Node, int]]:
@@ -403,12 +375,13 @@ def build_problem(
     strategies: dict[fx.Node, NodeStrategies],
     cost_model: CostModel,
     fixed_outputs: dict[int, Placements],
+    shared: Shared,
     merge: bool = True,
     least: dict[fx.Node, float] | None = None,
 ) -> PlacementProblem:
     """``least``: each node's compute at its fastest strategy (``OverlapSegment.budget``), where
     ``strategies`` were narrowed (a re-solve fixing some layers); else worked out from them."""
-    all_moves = _moves(tg, cost_model, fixed_outputs)
+    all_moves = shared.moves(fixed_outputs)
     inputs = op_inputs(all_moves)
     follow = merge_followers(inputs, clustering, strategies) if merge else {}
     root = resolve_roots(strategies, follow)
@@ -416,13 +389,11 @@ def build_problem(
     units = [n for n in strategies if root[n][0] is n]
     unit_cost = {u: np.zeros(len(strats[u])) for u in units}
     where = clustering.instance
-    # a re-solve's split clustering keeps its instance map: the walk for parameter-only values runs once
-    hiding = cost_model.derived("hiding", where, functools.partial(overlap.Hiding.of, tg, where))
     budget: dict[str, float] = defaultdict(float)
     least = dict(least or {})
     for v, ss in strats.items():
         unit, m = root[v]
-        seconds = shared_strategy_costs(v, ss, cost_model)  # a re-solve's untied copies reuse their rep's
+        seconds = cost_model.strategy_seconds(v, ss)  # a re-solve's untied copies reuse their rep's
         unit_cost[unit] += (seconds * clustering.multiplicity[v])[m]
         least.setdefault(v, overlap.least(seconds))
         budget[overlap.segment(where.get(v, ""), overlap.phase(v))] += least[v] * clustering.multiplicity[v]
@@ -433,12 +404,12 @@ def build_problem(
     hideable: list[tuple[str, _Edge]] = []
 
     def own_labels(node, side, values):  # a node's strategy tuple outlives a build (re-solves)
-        return cost_model.derived(("labels", side), strats[node], lambda: _labels(values()))
+        return shared.labels(strats[node], side, values)
 
     for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
         edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)
         cost = edge.cost * mult
-        name = hiding.segment_of(ur, cr, slot == "out")
+        name = shared.hiding.segment_of(ur, cr, slot == "out")
         if name is not None:
             hideable.append((name, dataclasses.replace(edge, cost=cost)))
         if edge.key is None:

@@ -19,13 +19,13 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.cost import memory, overlap
+from autoplan.cost import memory
 from autoplan.cost.costs import CostModel, local_bytes
 from autoplan.cost.devices import DeviceProfile
-from autoplan.cost.moves import Move, gradient_moves, input_moves, output_moves
+from autoplan.cost.moves import Move, output_moves
 from autoplan.shard.strategies import Placements, Strategy
 from autoplan.solve.ilp import BudgetRow, FixedRows, RecomputeVar
-from autoplan.solve.problem import Linear, PlacementProblem, priced_moves
+from autoplan.solve.problem import Linear, PlacementProblem, Shared, priced_moves
 from autoplan.trace import recompute
 from autoplan.trace.clustering import Clustering
 from autoplan.trace.tracing import TracedGraph
@@ -61,16 +61,19 @@ class PeakRows:
     mesh: DeviceMesh
     device_profile: DeviceProfile
     optimizer: memory.OptimizerSpec
+    shared: Shared
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
         self.params = set(self.tg.placeholder_for("param").values())
         self.schedule = memory.schedule(self.tg)
-        hiding = overlap.Hiding.of(self.tg)
         self.into: dict[fx.Node, list[Move]] = defaultdict(list)  # each op's input moves
-        for m in input_moves(self.tg, hiding):
-            self.into[m.dst].append(m)
-        self.gradient_moves = gradient_moves(self.tg, hiding)
+        self.gradient_moves: list[Move] = []
+        for m in self.shared.moves({}):  # the model outputs' moves are read per request
+            if m.kind == "input":
+                self.into[m.dst].append(m)
+            elif m.kind == "gradient":
+                self.gradient_moves.append(m)
         self.grads = memory.scheduled_gradients(self.gradient_moves, self.schedule)
         # what a move holds while it runs depends on the mesh alone, not on the device profile
         self.move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
