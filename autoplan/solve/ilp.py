@@ -12,6 +12,7 @@ relaxation is usually integral (``solvers`` tries the LP first).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -336,77 +337,28 @@ def solve_placement(
     which keeps it without the LP when it proves it within ``opts.mip_rel_gap``."""
     opts = opts or SolveOptions()
     time_limit = opts.time_limit
-    weight = 1e-9 if smallest_peak else 1.0
     t0 = time.perf_counter()
-    seeded = None
     if start is None and not smallest_peak and any(not o.pinned for o in options):
         seeded = _seed(problem, fixed, budgets, opts, list(options))
         if seeded is None and opts.seed_only:
             raise NoSeedError()
-        if time_limit is not None:
-            time_limit = time_limit - (time.perf_counter() - t0)
+        time_limit = _polish_limit(opts, seeded, t0)
+        if seeded is not None and time_limit <= 0:  # every trial's seconds count as the solve's
+            return dataclasses.replace(seeded, solve_time=time.perf_counter() - t0 - seeded.build_time)
         if seeded is not None:
-            time_limit = opts.polish_s if time_limit is None else min(time_limit, opts.polish_s)
-            if time_limit <= 0:  # every trial's seconds count as the solve's
-                return dataclasses.replace(seeded, solve_time=time.perf_counter() - t0 - seeded.build_time)
             start = {u: problem.strategies[u][i] for u, i in seeded.choice.items()}
             start_recompute = seeded.recompute
     t_seed = time.perf_counter()
     kept = undominated(problem, fixed, budgets, options, start)
-    b = ModelBuilder("placement")
-    offsets: dict[fx.Node, int] = {}
-    for u in problem.units:
-        unit_costs = weight * SCALE * problem.unit_cost[u][kept[u]]
-        offsets[u] = int(b.add_vars(len(kept[u]), cost=unit_costs, integer=True)[0])
-    _one_hot_rows(b, offsets, kept)
-    n_edge, edge_costs, edge_columns, marginals = _edge_rows(b, problem, offsets, kept, weight)
-    terms = lambda lin: _terms(lin, offsets, kept, edge_columns)  # noqa: E731
-    r, w = _recompute_rows(b, list(options), terms, weight) if options else (np.zeros(0, np.int64),) * 2
-    hidden, overlap_rows = _overlap_rows(b, problem, terms, weight)
-    peak = b.add_vars(1, cost=1.0, lb=0.0, ub=np.inf, integer=False) if smallest_peak else None
-
-    for f in fixed:
-        cols = [offsets[u] + np.flatnonzero(np.isin(kept[u], allowed)) for u, allowed in f.items]
-        rows = [np.full(len(c), i) for i, c in enumerate(cols)]
-        b.add_rows(
-            np.concatenate(rows), np.concatenate(cols), 1.0, lo=np.ones(len(cols)), hi=np.ones(len(cols)), group=f.group
-        )
-    for budget in budgets:
-        extra_cols, extra_vals = _recompute_bytes(b, budget, r, terms)
-        if budget.moves is not None:
-            moved_cols, moved_vals, _, _ = terms(budget.moves)
-            extra_cols, extra_vals = [*extra_cols, *moved_cols], [*extra_vals, *(moved_vals * MIB)]
-        cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u, _ in budget.coeffs] + [extra_cols])
-        vals = np.concatenate([c[kept[u]] * MIB for u, c in budget.coeffs] + [extra_vals])
-        limit = budget.limit * MIB
-        if peak is not None and budget.cap is not None:  # sum - P <= limit - cap
-            cols, vals, limit = np.r_[cols, peak], np.r_[vals, -1.0], (budget.limit - budget.cap) * MIB
-        b.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, lo=-np.inf, hi=limit, group=budget.group)
-
-    model = b.build()
+    model, layout, edge_costs, r, w, peak = _build(problem, fixed, budgets, options, kept, smallest_peak)
+    offsets, n_edge = layout.offsets, len(edge_costs)
     t1 = time.perf_counter()
-
-    def one_hot(x: np.ndarray) -> np.ndarray:
-        out = np.round(x)  # recompute options; the strategy columns below are one-hot per unit
-        for u in problem.units:
-            out[offsets[u] : offsets[u] + len(kept[u])] = 0.0
-            out[offsets[u] + int(np.argmax(x[offsets[u] : offsets[u] + len(kept[u])]))] = 1.0
-        return out
-
-    layout = Layout(kept, offsets, edge_columns, marginals, overlap_rows, hidden)
     seed = _start_vector(problem, offsets, kept, start, model.n_cols) if start is not None else None
     if seed is not None:
         seed[[col for o, col in zip(options, r) if o.name in start_recompute]] = 1.0
-    large = model.n_rows > CERTIFY_MIN_ROWS
-    certified = opts.keep_start and seed is not None and large
+    certified = opts.keep_start and seed is not None and model.n_rows > CERTIFY_MIN_ROWS
     if certified:
         _complete(seed, problem, layout, model)
-    screen = None
-    if certified or (large and seed is None):  # every pair column is 0 or 1 wherever the strategies are
-        pairs = np.zeros(model.n_cols, dtype=bool)
-        pairs[np.concatenate([cols for cols, _, _ in edge_columns] or [np.zeros(0, np.int64)])] = True
-        # a start's screen takes the certificate's multipliers, should it fall short
-        screen = Screen(dual_guess(problem, layout, model) if seed is None else None, model.integer | pairs)
     result = solve(
         model,
         replace(
@@ -416,33 +368,121 @@ def solve_placement(
             verbose=log.isEnabledFor(logging.DEBUG),
             log=log,
         ),
-        rounding=one_hot,
+        rounding=functools.partial(_one_hot, problem, layout),
         start=seed,
         certify=certifier(problem, layout, model, opts.mip_rel_gap) if certified else None,
-        screen=screen,
+        screen=_screen(problem, layout, model, seed, certified),
     )
     t2 = time.perf_counter()
     x = result.x
     choice = {u: int(kept[u][np.argmax(x[offsets[u] : offsets[u] + len(kept[u])])]) for u in problem.units}
-    x_cost = sum(float(problem.unit_cost[u][r]) for u, r in choice.items())
-    n_x = sum(len(k) for k in kept.values())
-    e_cost = float(edge_costs @ x[n_x : n_x + n_edge]) if n_edge else 0.0
-    recomputed = tuple(o.name for o, col in zip(options, r) if x[col] > 0.5)
-    w_cost = float(sum(x[col] for col in w)) / SCALE
-    h_cost = float(sum(x[col] for col in hidden)) / SCALE
     return UnitChoice(
         choice=choice,
-        recompute=recomputed,
+        recompute=tuple(o.name for o, col in zip(options, r) if x[col] > 0.5),
         peak=float(x[peak[0]]) / MIB if peak is not None else None,
         result=result,
         n_vars=model.n_cols,
         n_rows=model.n_rows,
         n_edge_vars=n_edge,
         n_dropped=sum(len(problem.unit_cost[u]) - len(kept[u]) for u in problem.units),
-        objective_without_tie_break=x_cost + e_cost + w_cost - h_cost,
+        objective_without_tie_break=_objective(problem, layout, x, choice, edge_costs, w),
         build_time=t1 - t_seed,
         solve_time=t2 - t1 + t_seed - t0,
     )
+
+
+def _build(problem: PlacementProblem, fixed, budgets, options, kept, smallest_peak: bool):
+    """The MIP over the strategies ``kept``: one-hot strategy columns per unit, edge columns with
+    their marginal rows, recompute and overlap columns, pins and budget rows; with
+    ``smallest_peak`` a peak variable ``P`` whose cost dwarfs the step time's. Returns the model,
+    its layout, each edge column's true cost, the recompute option and seconds columns, and ``P``."""
+    weight = 1e-9 if smallest_peak else 1.0
+    b = ModelBuilder("placement")
+    offsets: dict[fx.Node, int] = {}
+    for u in problem.units:
+        unit_costs = weight * SCALE * problem.unit_cost[u][kept[u]]
+        offsets[u] = int(b.add_vars(len(kept[u]), cost=unit_costs, integer=True)[0])
+    _one_hot_rows(b, offsets, kept)
+    _, edge_costs, edge_columns, marginals = _edge_rows(b, problem, offsets, kept, weight)
+    terms = lambda lin: _terms(lin, offsets, kept, edge_columns)  # noqa: E731
+    r, w = _recompute_rows(b, list(options), terms, weight) if options else (np.zeros(0, np.int64),) * 2
+    hidden, overlap_rows = _overlap_rows(b, problem, terms, weight)
+    peak = b.add_vars(1, cost=1.0, lb=0.0, ub=np.inf, integer=False) if smallest_peak else None
+    _pin_rows(b, fixed, offsets, kept)
+    _budget_rows(b, budgets, offsets, kept, r, terms, peak)
+    layout = Layout(kept, offsets, edge_columns, marginals, overlap_rows, hidden)
+    return b.build(), layout, edge_costs, r, w, peak
+
+
+def _polish_limit(opts: SolveOptions, seeded: UnitChoice | None, t0: float) -> float | None:
+    """The seconds left for the full MIP after the seed trials begun at ``t0``: at most
+    ``opts.polish_s`` to improve on a trial's plan, else what is left of ``opts.time_limit``."""
+    time_limit = opts.time_limit
+    if time_limit is not None:
+        time_limit = time_limit - (time.perf_counter() - t0)
+    if seeded is not None:
+        time_limit = opts.polish_s if time_limit is None else min(time_limit, opts.polish_s)
+    return time_limit
+
+
+def _one_hot(problem: PlacementProblem, layout: Layout, x: np.ndarray) -> np.ndarray:
+    """``x`` rounded: the recompute options to 0 or 1, each unit's strategy columns one-hot at its largest."""
+    out = np.round(x)
+    for u in problem.units:
+        lo, hi = layout.offsets[u], layout.offsets[u] + len(layout.kept[u])
+        out[lo:hi] = 0.0
+        out[lo + int(np.argmax(x[lo:hi]))] = 1.0
+    return out
+
+
+def _screen(problem: PlacementProblem, layout: Layout, model, seed, certified: bool) -> Screen | None:
+    """On a large model, the LP screen (``solvers.Screen``): with a start being certified (it takes
+    the certificate's multipliers, should it fall short), or without a start (the multipliers of
+    ``dual_guess``). Every pair column is 0 or 1 wherever the strategies are."""
+    if not (certified or (model.n_rows > CERTIFY_MIN_ROWS and seed is None)):
+        return None
+    pairs = np.zeros(model.n_cols, dtype=bool)
+    pairs[np.concatenate([cols for cols, _, _ in layout.edges] or [np.zeros(0, np.int64)])] = True
+    return Screen(dual_guess(problem, layout, model) if seed is None else None, model.integer | pairs)
+
+
+def _objective(problem: PlacementProblem, layout: Layout, x, choice, edge_costs, recompute_cols) -> float:
+    """The step time of solution ``x`` without the tie-break: strategies, edges and recompute, less
+    what hides under compute (the columns are scaled by ``SCALE``)."""
+    x_cost = sum(float(problem.unit_cost[u][r]) for u, r in choice.items())
+    n_x = sum(len(k) for k in layout.kept.values())
+    n_edge = len(edge_costs)
+    e_cost = float(edge_costs @ x[n_x : n_x + n_edge]) if n_edge else 0.0
+    w_cost = float(sum(x[col] for col in recompute_cols)) / SCALE
+    h_cost = float(sum(x[col] for col in layout.hidden)) / SCALE
+    return x_cost + e_cost + w_cost - h_cost
+
+
+def _pin_rows(b: ModelBuilder, fixed: list[FixedRows], offsets: dict[fx.Node, int], kept) -> None:
+    """One row per pinned unit: exactly one of the strategies its pin allows."""
+    for f in fixed:
+        cols = [offsets[u] + np.flatnonzero(np.isin(kept[u], allowed)) for u, allowed in f.items]
+        rows = [np.full(len(c), i) for i, c in enumerate(cols)]
+        b.add_rows(
+            np.concatenate(rows), np.concatenate(cols), 1.0, lo=np.ones(len(cols)), hi=np.ones(len(cols)), group=f.group
+        )
+
+
+def _budget_rows(b: ModelBuilder, budgets: list[BudgetRow], offsets, kept, r, terms, peak) -> None:
+    """One row per memory budget, in MiB: the stored bytes of each unit's strategy, what the
+    recompute options ``r`` change and the moves' buffers; with ``peak`` (the smallest-peak solve)
+    the cap gives way to the variable ``P`` (sum - P <= limit - cap)."""
+    for budget in budgets:
+        extra_cols, extra_vals = _recompute_bytes(b, budget, r, terms)
+        if budget.moves is not None:
+            moved_cols, moved_vals, _, _ = terms(budget.moves)
+            extra_cols, extra_vals = [*extra_cols, *moved_cols], [*extra_vals, *(moved_vals * MIB)]
+        cols = np.concatenate([offsets[u] + np.arange(len(kept[u])) for u, _ in budget.coeffs] + [extra_cols])
+        vals = np.concatenate([c[kept[u]] * MIB for u, c in budget.coeffs] + [extra_vals])
+        limit = budget.limit * MIB
+        if peak is not None and budget.cap is not None:
+            cols, vals, limit = np.r_[cols, peak], np.r_[vals, -1.0], (budget.limit - budget.cap) * MIB
+        b.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, lo=-np.inf, hi=limit, group=budget.group)
 
 
 def _with_options_on(problem, fixed, budgets, opts: SolveOptions, options, on: set[int]):

@@ -25,7 +25,7 @@ from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import DeviceProfile, dtype_name
 from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
 from autoplan.heap import collector_paused
-from autoplan.plan import Plan, placements_str
+from autoplan.plan import CostBreakdown, MemoryReport, NodePlan, Plan, Redistribution, placements_str
 from autoplan.shard.strategies import NodeStrategies, Placements, Strategy
 from autoplan.solve import mismatch
 from autoplan.solve.evaluate import alternatives, evaluate, expand_choice
@@ -76,6 +76,30 @@ class _Solved:
     steps: dict[Point, float]
     build_s: float
     solve_s: float
+
+
+@dataclass
+class _Refined:
+    """The plan after the boundary re-solves: its clustering, objective, strategies and the peak
+    steps bounded, with a record of each group tried."""
+
+    clustering: Clustering
+    objective: float
+    chosen: dict[fx.Node, Strategy]
+    steps: dict[Point, float]
+    refinements: list[Refinement]
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """A plan priced for its report (``Planner._priced``)."""
+
+    nodes: dict[str, NodePlan]
+    cost: CostBreakdown
+    memory: MemoryReport
+    redistributions: list[Redistribution]
+    budget: dict[str, float]
+    rerun: frozenset[fx.Node]
 
 
 @dataclass
@@ -418,7 +442,62 @@ class Planner:
             main = self._main_solve(request, cost_model)
         except SolverTimeoutError as e:
             raise SolverLimitError(e, time.perf_counter() - t0) from e
-        problem, solved, chosen, steps = main.problem, main.solved, main.chosen, main.steps
+        problem, solved = main.problem, main.solved
+        self._warn_if_stopped_early(solved)
+        t1 = time.perf_counter()
+        refined = self._refine_boundaries(request, cost_model, main, t0)
+        t2 = time.perf_counter()
+        choice = _choice(solved.recompute)
+        priced = self._priced(request, cost_model, problem, refined, choice)
+        t3 = time.perf_counter()
+        log.info(
+            "solved (%s, gap %s): estimated step %.3f ms, %.1f s elapsed",
+            solved.result.status.value,
+            _percent(solved.result.gap),
+            refined.objective * 1e3,
+            t3 - t0,
+        )
+        timings = {
+            **trace_timings,
+            "costs": t1 - t0 - main.build_s - main.solve_s,
+            "ilp_build": main.build_s,
+            "solve": main.solve_s,
+            "refine": t2 - t1,
+            "plan": t3 - t2,
+        }
+        return Plan(
+            mesh_shape=self.mesh_shape,
+            mesh_dim_names=tuple(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else None,
+            device=self.device_profile.name,
+            nodes=priced.nodes,
+            param_placements={fqn: refined.chosen[n].output for fqn, n in tg.placeholder_for("param").items()},
+            cost=priced.cost,
+            memory=priced.memory,
+            redistributions=priced.redistributions,
+            solver=SolverReport.of(solved.result),
+            ilp=IlpReport(
+                n_vars=solved.n_vars,
+                n_rows=solved.n_rows,
+                n_edge_vars=solved.n_edge_vars,
+                n_dropped_strategies=solved.n_dropped,
+                n_units=len(problem.units),
+                n_merged=problem.n_merged,
+                n_clustered=refined.clustering.n_clustered,
+                n_nodes=len(tg.gm.graph.nodes),
+                n_peak_steps=len(refined.steps),
+                objective=refined.objective,
+                refinements=refined.refinements,
+            ),
+            timings=timings,
+            layer_classes=[list(c) for c in refined.clustering.classes],
+            recompute=dict(sorted(choice.items(), key=lambda kv: _layer_key(kv[0]))),
+            checkpointed=tg.checkpointed(priced.rerun),
+            overlap_budget=priced.budget,
+            signature=mismatch.signature(tg),
+        )
+
+    def _warn_if_stopped_early(self, solved: UnitChoice) -> None:
+        """A warning when the main solve stopped at a time limit outside the gap asked for."""
         time_limit, mip_rel_gap = self.solve_options.time_limit, self.solve_options.mip_rel_gap
         if solved.result.gap > max(mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
             # without a user time_limit, the limit met is the one on polishing a capped plan
@@ -427,39 +506,56 @@ class Planner:
                 f"the solver stopped at {limit} with the best plan found so far, within"
                 f" {solved.result.gap:.2%} of its bound (mip_rel_gap={mip_rel_gap:g} was asked): raise"
                 " time_limit for a better one",
-                stacklevel=3,
+                stacklevel=4,
             )
-        t1 = time.perf_counter()
-        clustering, objective, refinements = self.clustering, solved.objective_without_tie_break, []
-        recomputed = solved.recompute
 
-        def refine(group, clustering, chosen, steps):
+    def _refine_boundaries(self, request: Request, cost_model: CostModel, main: _Solved, t0: float) -> _Refined:
+        """The boundary groups re-solved on their own (``_refine``), one after another, each against
+        the plan the last one left (the certificates are Python and numpy, which threads do not run
+        side by side), until the time limit counted from ``t0`` is spent; a group's plan is kept
+        where it is cheaper."""
+        time_limit = self.solve_options.time_limit
+        solved = main.solved
+        out = _Refined(self.clustering, solved.objective_without_tie_break, main.chosen, main.steps, [])
+        for group in self.clustering.boundary:
             left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
             if left is not None and left <= 0:
-                return None
+                break
             try:
-                return self._refine(
-                    request, clustering, group, chosen, recomputed, cost_model, steps, left, problem.least_compute
+                split, re = self._refine(
+                    request,
+                    out.clustering,
+                    group,
+                    out.chosen,
+                    solved.recompute,
+                    cost_model,
+                    out.steps,
+                    left,
+                    main.problem.least_compute,
                 )
             except (SolverTimeoutError, InfeasibleError):  # the group's own bounds may not meet a cap
-                return None
-
-        # One group after another, each against the plan the last one left: the certificates are
-        # Python and numpy, which threads do not run side by side.
-        for group in self.clustering.boundary:
-            outcome = refine(group, clustering, chosen, steps)
-            if outcome is None:
                 break
-            split, re = outcome
-            gain = objective - re.solved.objective_without_tie_break
+            gain = out.objective - re.solved.objective_without_tie_break
             # below 1e-9 it is the tie-break trading cost for fewer changes
-            kept = re.within and gain > 1e-9 * objective
-            refinements.append(_refinement(group, re.solved, gain, kept))
+            kept = re.within and gain > 1e-9 * out.objective
+            out.refinements.append(_refinement(group, re.solved, gain, kept))
             if kept:
-                clustering, objective, chosen, steps = split, re.solved.objective_without_tie_break, re.chosen, re.steps
-        t2 = time.perf_counter()
-        choice = _choice(recomputed)
-        reps = self.clustering.rep
+                out.clustering, out.chosen, out.steps = split, re.chosen, re.steps
+                out.objective = re.solved.objective_without_tie_break
+        return out
+
+    def _priced(
+        self,
+        request: Request,
+        cost_model: CostModel,
+        problem: PlacementProblem,
+        refined: _Refined,
+        choice: dict[str, str],
+    ) -> _Priced:
+        """The refined plan priced node by node (``evaluate``), each node's alternatives for
+        ``explain``, its recompute's seconds and its memory report; warns where the peak is over the
+        cap or the expanded cost is not the ILP's objective."""
+        tg, chosen, reps = self.tg, refined.chosen, self.clustering.rep
         rules = {n: self.strategies[reps[n]].source for n in chosen if reps[n] in self.strategies}
         budget = overlap.budgets(tg, lambda n: problem.least_compute.get(reps[n], 0.0))
         all_moves = self.shared.moves(request.outputs)
@@ -476,62 +572,16 @@ class Planner:
             warnings.warn(
                 f"the plan's estimated peak {report.peak_bytes:.6g} bytes per device (at {report.peak_at})"
                 f" exceeds bytes_per_device={request.peak_budget:.6g}: the candidate steps bounded in the ILP"
-                f" ({len(steps)}) did not catch it",
-                stacklevel=3,
+                f" ({len(refined.steps)}) did not catch it",
+                stacklevel=4,
             )
-        if not math.isclose(cost.total, objective, rel_tol=1e-6, abs_tol=1e-9):
+        if not math.isclose(cost.total, refined.objective, rel_tol=1e-6, abs_tol=1e-9):
             warnings.warn(
-                f"reduced ILP objective {objective:.6g}s differs from the expanded plan's"
+                f"reduced ILP objective {refined.objective:.6g}s differs from the expanded plan's"
                 f" cost {cost.total:.6g}s; the reported cost is the expanded one",
-                stacklevel=3,
+                stacklevel=4,
             )
-        t3 = time.perf_counter()
-        status, gap = solved.result.status.value, solved.result.gap
-        log.info(
-            "solved (%s, gap %s): estimated step %.3f ms, %.1f s elapsed",
-            status,
-            _percent(gap),
-            objective * 1e3,
-            t3 - t0,
-        )
-        timings = {
-            **trace_timings,
-            "costs": t1 - t0 - main.build_s - main.solve_s,
-            "ilp_build": main.build_s,
-            "solve": main.solve_s,
-            "refine": t2 - t1,
-            "plan": t3 - t2,
-        }
-        return Plan(
-            mesh_shape=self.mesh_shape,
-            mesh_dim_names=tuple(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else None,
-            device=self.device_profile.name,
-            nodes=nodes,
-            param_placements={fqn: chosen[n].output for fqn, n in tg.placeholder_for("param").items()},
-            cost=cost,
-            memory=report,
-            redistributions=ev.redistributions,
-            solver=SolverReport.of(solved.result),
-            ilp=IlpReport(
-                n_vars=solved.n_vars,
-                n_rows=solved.n_rows,
-                n_edge_vars=solved.n_edge_vars,
-                n_dropped_strategies=solved.n_dropped,
-                n_units=len(problem.units),
-                n_merged=problem.n_merged,
-                n_clustered=clustering.n_clustered,
-                n_nodes=len(tg.gm.graph.nodes),
-                n_peak_steps=len(steps),
-                objective=objective,
-                refinements=refinements,
-            ),
-            timings=timings,
-            layer_classes=[list(c) for c in clustering.classes],
-            recompute=dict(sorted(choice.items(), key=lambda kv: _layer_key(kv[0]))),
-            checkpointed=tg.checkpointed(rerun),
-            overlap_budget=budget,
-            signature=mismatch.signature(tg),
-        )
+        return _Priced(nodes, cost, report, ev.redistributions, budget, rerun)
 
     def _explain_options(self, request: Request, nodes) -> dict[fx.Node, tuple]:
         """The strategies each node may take under the user's constraints (for ``explain``)."""
