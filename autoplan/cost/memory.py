@@ -319,6 +319,100 @@ class Walk:
     report: MemoryReport
 
 
+def _moved_gradients(
+    gms: list[GradientMove], chosen: dict[fx.Node, Strategy], sched: Schedule
+) -> tuple[list[GradientMove], dict[Key, int]]:
+    """The gradients made in another placement than their parameter's, and each storage's last step.
+
+    Such a gradient is moved at once (the lowering reduces it where it is made): the made copy dies
+    after its readers, the moved one stays. A storage holding only such gradients dies with them."""
+    is_moved = [_made(g.value, chosen) not in (None, chosen[g.param].outputs[0]) for g in gms]
+    moved = [g for g, m in zip(gms, is_moved) if m]
+    dies = dict(sched.dies)
+    kept = {g.owner for g in moved} - {g.owner for g, m in zip(gms, is_moved) if not m}
+    for g in moved:
+        if g.owner in kept:
+            dies[g.owner] = g.kept
+    return moved, dies
+
+
+def _storages(
+    sched: Schedule, chosen: dict[fx.Node, Strategy], mesh_shape, move: MovePrice, dies: dict[Key, int]
+) -> dict[Key, tuple[int, int, int]]:
+    """Storage -> (bytes, first step, last step) under ``chosen``. A view of a moved value owns the
+    moved copy (its views too), from the view's step to its views' last reader."""
+    owned: dict[Key, tuple[int, int, int]] = {}
+    for k, owner in sched.owner.items():
+        n = node_of(k)
+        if n not in chosen:
+            continue
+        if owner is k:
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
+        elif _moved_inputs(n, chosen, move):
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.view_last[k])
+    return owned
+
+
+def _stored_bytes(n_steps: int, spans: list[tuple[int, int, int]]) -> np.ndarray:
+    """The bytes stored at each of ``n_steps`` steps, of ``spans`` (bytes, first step, last step)."""
+    delta = np.zeros(n_steps + 1)
+    for b, born, dies in spans:
+        delta[born] += b
+        delta[dies + 1] -= b
+    return np.cumsum(delta)[:-1]
+
+
+def _transients(
+    sched: Schedule,
+    chosen: dict[fx.Node, Strategy],
+    mesh_shape,
+    move: MovePrice,
+    owned: dict[Key, tuple[int, int, int]],
+    moved: list[GradientMove],
+) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes beside the stored ones at each step's two moments: while its op runs (the moved
+    copies it reads, then the moves of the gradients it makes), and while its inputs move, before
+    it makes anything (the moves' buffers)."""
+    running = np.zeros(sched.n_steps)
+    moving = np.full(sched.n_steps, -np.inf)
+    copy = moved_copy_bytes(mesh_shape)
+    for k, step in sched.step.items():
+        n = node_of(k)
+        if n in chosen and n.op == "call_function":
+            moving[step] = _moved_inputs(n, chosen, move) - (owned[k][0] if k in owned else 0)
+            if not aliases_input(n):  # a view owns its moved copy (``_storages``)
+                running[step] = _moved_inputs(n, chosen, copy)
+    for g in moved:  # what the gradient's move holds besides its result (stored from its step)
+        meta = tensor_meta(g.value.meta["val"])
+        want = chosen[g.param].outputs[0]
+        moved_copy = local_bytes(meta, want, mesh_shape)
+        running[g.made] += move(_made(g.value, chosen), want, meta, consumed=g.consumed) - moved_copy
+        moving[g.made] -= moved_copy  # not made yet
+    return running, moving
+
+
+def _peak_parts(
+    sched: Schedule,
+    owned: dict[Key, tuple[int, int, int]],
+    extra: list[tuple[int, int, int]],
+    grads: set[Key],
+    t: int,
+    inputs_moving: bool,
+) -> tuple[dict[str, int], int]:
+    """The stored bytes alive at step ``t`` by kind, and the activations saved for the backward.
+    ``inputs_moving``: the peak is while the op's inputs move, so what it makes there is not made yet."""
+    peak = sched.order[t]
+    parts = {"gradients": sum(b for b, born, dies in extra if born <= t <= dies and not (inputs_moving and born == t))}
+    saved = 0
+    for n, (b, born, dies) in owned.items():
+        kind = _kind(n, born, sched, grads)
+        if born <= t <= dies and not (inputs_moving and n is peak):
+            parts[kind] = parts.get(kind, 0) + b
+        if kind == "activations" and dies > sched.forward_end:
+            saved += b
+    return parts, saved
+
+
 def walk(
     tg: TracedGraph,
     chosen: dict[fx.Node, Strategy],
@@ -343,66 +437,21 @@ def walk(
         sum(per_param[f] * optimizer.bytes_per_param_byte(n.meta["val"].dtype) for f, n in params.items())
     )
     gms = scheduled_gradients(moves.gradient_moves(tg) if grads is None else grads, sched)
-    grads = {g.owner for g in gms}
-    # a gradient made in another placement than its parameter's is moved there at once (the
-    # lowering reduces it where it is made): the made copy dies after its readers, the moved one stays
-    is_moved = [_made(g.value, chosen) not in (None, chosen[g.param].outputs[0]) for g in gms]
-    moved = [g for g, m in zip(gms, is_moved) if m]
-    dies = dict(sched.dies)
-    kept = {g.owner for g in moved} - {g.owner for g, m in zip(gms, is_moved) if not m}
-    for g in moved:
-        if g.owner in kept:
-            dies[g.owner] = g.kept
-    owned: dict[Key, tuple[int, int, int]] = {}  # storage -> (bytes, first step, last step)
-    for k, owner in sched.owner.items():
-        n = node_of(k)
-        if n not in chosen:
-            continue
-        if owner is k:
-            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
-        elif _moved_inputs(n, chosen, move):  # a view of a moved value owns the moved copy (its views too)
-            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.view_last[k])
+    moved, dies = _moved_gradients(gms, chosen, sched)
+    owned = _storages(sched, chosen, mesh_shape, move, dies)
     last = sched.n_steps - 1
     extra = [(value_bytes(g.param, chosen[g.param].outputs, mesh_shape), g.made, last) for g in moved]
-    delta = np.zeros(sched.n_steps + 1)
-    for b, born, dies in [*owned.values(), *extra]:
-        delta[born] += b
-        delta[dies + 1] -= b
-    # the bytes beside the stored ones at each step's two moments: while its op runs (the moved
-    # copies it reads, then the moves of the gradients it makes, and the model outputs' at the
-    # forward's end), and while its inputs move, before it makes anything (the moves' buffers)
-    running = np.zeros(sched.n_steps)
-    moving = np.full(sched.n_steps, -np.inf)
-    copy = moved_copy_bytes(mesh_shape)
-    for k, step in sched.step.items():
-        n = node_of(k)
-        if n in chosen and n.op == "call_function":
-            moving[step] = _moved_inputs(n, chosen, move) - (owned[k][0] if k in owned else 0)
-            if not aliases_input(n):  # a view owns its moved copy (above)
-                running[step] = _moved_inputs(n, chosen, copy)
-    for g in moved:  # what the gradient's move holds besides its result (counted above, from its step)
-        meta = tensor_meta(g.value.meta["val"])
-        want = chosen[g.param].outputs[0]
-        moved_copy = local_bytes(meta, want, mesh_shape)
-        running[g.made] += move(_made(g.value, chosen), want, meta, consumed=g.consumed) - moved_copy
-        moving[g.made] -= moved_copy  # not made yet
+    stored = _stored_bytes(sched.n_steps, [*owned.values(), *extra])
+    running, moving = _transients(sched, chosen, mesh_shape, move, owned, moved)
+    # and while the forward's last op runs, the model outputs' moves
     running[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
-    stored = np.cumsum(delta)[:-1]
     live = stored + np.maximum(running, moving) + optimizer_bytes
     t = int(np.argmax(live))
     peak = sched.order[t]
     # at the peak while the op's inputs move, what it makes there is not made yet
     inputs_moving = bool(moving[t] > running[t])
     held = _moved_inputs(node_of(peak), chosen, move) if inputs_moving else running[t]
-    parts = {"optimizer": optimizer_bytes, "transient": int(held)}
-    parts["gradients"] = sum(b for b, born, dies in extra if born <= t <= dies and not (inputs_moving and born == t))
-    saved = 0
-    for n, (b, born, dies) in owned.items():
-        kind = _kind(n, born, sched, grads)
-        if born <= t <= dies and not (inputs_moving and n is peak):
-            parts[kind] = parts.get(kind, 0) + b
-        if kind == "activations" and dies > sched.forward_end:
-            saved += b
+    parts, saved = _peak_parts(sched, owned, extra, {g.owner for g in gms}, t, inputs_moving)
     report = MemoryReport(
         param_bytes=sum(per_param.values()),
         grad_bytes=sum(per_param.values()),  # once reduced into the parameters' placements
@@ -411,7 +460,7 @@ def walk(
         peak_bytes=int(live[t]),
         peak_at=peak.name,
         peak_phase="backward" if isinstance(peak, Recomputed) else node_of(peak).meta.get(PHASE_KEY, "forward"),
-        peak_parts=dict(sorted(parts.items())),
+        peak_parts=dict(sorted({"optimizer": optimizer_bytes, "transient": int(held), **parts}.items())),
         per_param=per_param,
     )
     return Walk(live, report)

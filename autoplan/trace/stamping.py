@@ -337,60 +337,74 @@ def _relabel(label: tuple, old: str, new: str) -> tuple:
     return (kind, new + target[len(old) :]) if isinstance(target, str) and target.startswith(old) else label
 
 
-def stamp(traced: Traced, n_layers: int, stack_path: str, prefix: str, backward: set[fx.Node]) -> Traced:
-    """The two-layer joint graph ``traced`` with its second layer copied to layers 1..n_layers-1.
-
-    Layer copy ``m`` reads what layer 1 read, moved along the stack: layer 0's values become layer
-    ``m-1``'s, the gradient arriving from after the stack becomes layer ``m+1``'s (it reaches layer
-    1 from there, as layer 0's comes from layer 1). Code after the stack reads the last copy; layer
-    0 reads copy 1. ``backward`` holds the backward nodes: their runs are stamped last layer first.
-    """
-    gm, in_labels, out_labels = traced
-    nodes = list(gm.graph.nodes)
+def _paired_layers(
+    gm: fx.GraphModule, nodes: list[fx.Node], in_labels: list, stack_path: str, prefix: str
+) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Layer 0's and layer 1's nodes in graph order, paired by position: layer 0 is the template for
+    what each copy of layer 1 reads, so the two must run the same ops."""
     layer = _layers(gm, in_labels, stack_path, prefix)
     t0 = [n for n in nodes if layer[n] == 0]
     t1 = [n for n in nodes if layer[n] == 1]
     target = functools.partial(_target, gm)
     if len(t0) != len(t1) or any(target(a) != target(b) for a, b in zip(t0, t1)):
         raise StampError("the two traced layers differ")
-    iso01, iso10 = dict(zip(t0, t1)), dict(zip(t1, t0))
-    member0, member1 = set(t0), set(t1)
-    old = f"{prefix}{stack_path}.1."
+    return t0, t1
 
-    def fqn(m: int) -> str:
-        return f"{prefix}{stack_path}.{m}."
 
-    label_of = dict(zip((n for n in nodes if n.op == "placeholder"), in_labels))
-    first_of_run = {run[0]: run for run in _runs(nodes, member1)}
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n_layers)]
-    new_in_labels: list = []
-    count = {"primals": 0, "tangents": 0}
+def _links(t: fx.Node, like: fx.Node, member0: set[fx.Node], member1: set[fx.Node]) -> dict[fx.Node, fx.Node | None]:
+    """What layer 0's ``like`` reads where layer 1's ``t`` reads from outside both: layer 1's node (a
+    link along the stack) or the same node (``None``: shared)."""
+    mine = tree_flatten((t.args, t.kwargs))[0]
+    theirs = tree_flatten((like.args, like.kwargs))[0]
+    found: dict[fx.Node, fx.Node | None] = {}
+    for a, b in zip(mine, theirs):
+        if isinstance(a, fx.Node) and a not in member0 and a not in member1:
+            if b is not a and b not in member1:
+                raise StampError(f"{t.name} reads {a.name} where layer 0 reads {b}")
+            role = None if b is a else b
+            if found.setdefault(a, role) is not role:
+                raise StampError(f"{t.name} reads {a.name} in two roles")
+    return found
 
-    def outer_arg(reader: fx.Node) -> Callable[[fx.Node], fx.Node]:
-        last = 1 if reader in member0 else n_layers - 1
+
+@dataclass
+class _Stamping:
+    """The stamped graph as ``stamp`` builds it: the nodes outside layer 1 copied once (``env``),
+    layer 1's copied per layer (``copies[m]``, by layer 1's node), and the new inputs' labels."""
+
+    n_layers: int
+    stack_path: str
+    prefix: str
+    label_of: dict[fx.Node, tuple]  # placeholder -> its input label
+    iso01: dict[fx.Node, fx.Node]  # layer 0's node -> layer 1's
+    member0: set[fx.Node]
+    member1: set[fx.Node]
+    roles: dict[fx.Node, dict[fx.Node, fx.Node | None]]  # layer 1's op -> its ``_links``
+    graph: fx.Graph = field(default_factory=fx.Graph)
+    env: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    copies: list[dict[fx.Node, fx.Node]] = field(init=False)
+    in_labels: list = field(default_factory=list)
+    count: dict[str, int] = field(default_factory=lambda: {"primals": 0, "tangents": 0})
+
+    def __post_init__(self) -> None:
+        self.copies = [{} for _ in range(self.n_layers)]
+
+    def fqn(self, m: int) -> str:
+        """The FQN prefix of layer ``m``'s parameters."""
+        return f"{self.prefix}{self.stack_path}.{m}."
+
+    def outer_arg(self, reader: fx.Node) -> Callable[[fx.Node], fx.Node]:
+        """How ``reader``, outside layer 1, reads: layer 1's nodes as their copy in layer 1 (for
+        layer 0) or in the last layer (for the code after the stack), other nodes as copied."""
+        copies, env, member1 = self.copies, self.env, self.member1
+        last = 1 if reader in self.member0 else self.n_layers - 1
         return lambda a: copies[last][a] if a in member1 else env[a]
 
-    def links(t: fx.Node) -> dict[fx.Node, fx.Node | None]:
-        """What layer 0 reads where layer 1's ``t`` reads from outside both: layer 1's node (a link
-        along the stack) or the same node (``None``: shared)."""
-        mine = tree_flatten((t.args, t.kwargs))[0]
-        theirs = tree_flatten((iso10[t].args, iso10[t].kwargs))[0]
-        found: dict[fx.Node, fx.Node | None] = {}
-        for a, b in zip(mine, theirs):
-            if isinstance(a, fx.Node) and a not in member0 and a not in member1:
-                if b is not a and b not in member1:
-                    raise StampError(f"{t.name} reads {a.name} where layer 0 reads {b}")
-                role = None if b is a else b
-                if found.setdefault(a, role) is not role:
-                    raise StampError(f"{t.name} reads {a.name} in two roles")
-        return found
-
-    roles = {t: links(t) for t in t1 if t.op != "placeholder"}
-
-    def copy_arg(t: fx.Node, m: int) -> Callable[[fx.Node], fx.Node]:
-        ext = roles[t]
+    def copy_arg(self, t: fx.Node, m: int) -> Callable[[fx.Node], fx.Node]:
+        """How layer 1's ``t`` copied to layer ``m`` reads: layer 1's nodes as copy ``m``'s, layer
+        0's as copy ``m-1``'s, a link along the stack as copy ``m+1``'s (past the last, as is)."""
+        ext, copies, env, iso01 = self.roles[t], self.copies, self.env, self.iso01
+        member0, member1, n_layers = self.member0, self.member1, self.n_layers
 
         def arg(a: fx.Node) -> fx.Node:
             if a in member1:
@@ -402,26 +416,36 @@ def stamp(traced: Traced, n_layers: int, stack_path: str, prefix: str, backward:
 
         return arg
 
-    def placeholder(like: fx.Node, label: tuple) -> fx.Node:
+    def placeholder(self, like: fx.Node, label: tuple) -> fx.Node:
         """Named ``primals_k`` or ``tangents_k``, numbered from 1 as tracing names them."""
         kind = "tangents" if label[0] == "tangent" else "primals"
-        count[kind] += 1
-        new = graph.placeholder(f"{kind}_{count[kind]}")
+        self.count[kind] += 1
+        new = self.graph.placeholder(f"{kind}_{self.count[kind]}")
         new.meta = dict(like.meta)
-        new_in_labels.append(label)
+        self.in_labels.append(label)
         return new
 
-    def emit_copy(t: fx.Node, m: int) -> None:
+    def emit_copy(self, t: fx.Node, m: int) -> None:
+        """Layer 1's ``t`` copied to layer ``m``: its parameters relabelled, its module path moved."""
         if t.op == "placeholder":
-            new = placeholder(t, _relabel(label_of[t], old, fqn(m)))
+            new = self.placeholder(t, _relabel(self.label_of[t], self.fqn(1), self.fqn(m)))
         else:
-            new = graph.node_copy(t, copy_arg(t, m))
+            new = self.graph.node_copy(t, self.copy_arg(t, m))
             new.meta = {k: v for k, v in t.meta.items() if k not in ("nn_module_stack", "fwd_nn_module_stack")}
-            new.meta[PATH_KEY] = t.meta.get(PATH_KEY, "").replace(f"{stack_path}.1", f"{stack_path}.{m}", 1)
-        copies[m][t] = new
+            new.meta[PATH_KEY] = t.meta.get(PATH_KEY, "").replace(f"{self.stack_path}.1", f"{self.stack_path}.{m}", 1)
+        self.copies[m][t] = new
 
-    def outputs(out: fx.Node) -> tuple[list, list]:
+    def emit_run(self, run: list[fx.Node], backward: set[fx.Node]) -> None:
+        """A run of layer 1's nodes copied to each layer; a backward run last layer first, the order
+        the backward reaches the layers in."""
+        descending = all(t.op != "placeholder" and t in backward for t in run)
+        for m in range(self.n_layers - 1, 0, -1) if descending else range(1, self.n_layers):
+            for t in run:
+                self.emit_copy(t, m)
+
+    def outputs(self, out: fx.Node, out_labels: list) -> tuple[list, list]:
         """Layer 1's parameter gradients become every copy's, in parameter order (layer by layer)."""
+        old = self.fqn(1)
         labels, values = [], []
         block = [lab for lab in out_labels if lab[0] == "grad_param" and lab[1].startswith(old)]
         grads = dict(zip(out_labels, out.args[0]))
@@ -429,36 +453,49 @@ def stamp(traced: Traced, n_layers: int, stack_path: str, prefix: str, backward:
             if lab in block:
                 if lab is not block[0]:
                     continue
-                for m in range(1, n_layers):
+                for m in range(1, self.n_layers):
                     for b in block:
                         g = grads[b]
-                        if g is not None and g not in member1:
+                        if g is not None and g not in self.member1:
                             raise StampError(f"the gradient {g.name} of {b[1]} is not made inside its layer")
-                        labels.append(_relabel(b, old, fqn(m)))
-                        values.append(None if g is None else copies[m][g])
+                        labels.append(_relabel(b, old, self.fqn(m)))
+                        values.append(None if g is None else self.copies[m][g])
             else:
                 labels.append(lab)
-                values.append(None if grads[lab] is None else outer_arg(out)(grads[lab]))
+                values.append(None if grads[lab] is None else self.outer_arg(out)(grads[lab]))
         return labels, values
 
+
+def stamp(traced: Traced, n_layers: int, stack_path: str, prefix: str, backward: set[fx.Node]) -> Traced:
+    """The two-layer joint graph ``traced`` with its second layer copied to layers 1..n_layers-1.
+
+    Layer copy ``m`` reads what layer 1 read, moved along the stack: layer 0's values become layer
+    ``m-1``'s, the gradient arriving from after the stack becomes layer ``m+1``'s (it reaches layer
+    1 from there, as layer 0's comes from layer 1). Code after the stack reads the last copy; layer
+    0 reads copy 1. ``backward`` holds the backward nodes: their runs are stamped last layer first.
+    """
+    gm, in_labels, out_labels = traced
+    nodes = list(gm.graph.nodes)
+    t0, t1 = _paired_layers(gm, nodes, in_labels, stack_path, prefix)
+    member0, member1 = set(t0), set(t1)
+    label_of = dict(zip((n for n in nodes if n.op == "placeholder"), in_labels))
+    first_of_run = {run[0]: run for run in _runs(nodes, member1)}
+    roles = {b: _links(b, a, member0, member1) for a, b in zip(t0, t1) if b.op != "placeholder"}
+    s = _Stamping(n_layers, stack_path, prefix, label_of, dict(zip(t0, t1)), member0, member1, roles)
     new_out_labels: list = []
     for n in nodes:
         if n in first_of_run:
-            run = first_of_run[n]
-            descending = all(t.op != "placeholder" and t in backward for t in run)
-            for m in range(n_layers - 1, 0, -1) if descending else range(1, n_layers):
-                for t in run:
-                    emit_copy(t, m)
+            s.emit_run(first_of_run[n], backward)
         if n in member1:
             continue
         if n.op == "placeholder":
-            env[n] = placeholder(n, label_of[n])
+            s.env[n] = s.placeholder(n, label_of[n])
         elif n.op == "output":
-            new_out_labels, values = outputs(n)
-            graph.output(values).meta = dict(n.meta)
+            new_out_labels, values = s.outputs(n, out_labels)
+            s.graph.output(values).meta = dict(n.meta)
         else:
-            env[n] = graph.node_copy(n, outer_arg(n))
-    return graph_module(gm, graph), new_in_labels, new_out_labels
+            s.env[n] = s.graph.node_copy(n, s.outer_arg(n))
+    return graph_module(gm, s.graph), s.in_labels, new_out_labels
 
 
 def same_graph(a: Traced, b: Traced) -> bool:
