@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -294,84 +295,146 @@ def solve(
     ``verbose`` prints the backend's own log; ``log`` gets a long MIP's progress at INFO (HiGHS).
     """
     o = replace(options or SolveOptions(), **knobs)
-    backend, time_limit, mip_rel_gap, lp_first = o.backend, o.time_limit, o.mip_rel_gap, o.lp_first
-    diagnose, keep_start = o.diagnose, o.keep_start
-
-    def whole(sub: LinearModel, round_sub, limit: float | None, sub_start=None) -> SolveResult:
-        sub_opts = replace(o, time_limit=limit, diagnose=False, keep_start=sub_start is not None)
-        return solve(sub, sub_opts, rounding=round_sub, start=sub_start)
-
+    whole = partial(_whole, o)
     # every pass gets what is left of the time limit from here, a screened try's time included
     started = perf_counter()
-    screening_ok = screen is not None and lp_first and model.n_integer > 0
-    if screening_ok and start is None and not keep_start and screen.y is not None:
-        found = _screened(model, screen, whole, rounding, time_limit, _backend_name(backend))
-        if found is not None:
+    screening_ok = screen is not None and o.lp_first and model.n_integer > 0
+    if screening_ok and start is None and not o.keep_start and screen.y is not None:
+        if (found := _screened(model, screen, whole, rounding, o.time_limit, _backend_name(o.backend))) is not None:
             return found
-    name = _backend_name(backend)
-    run = _BACKENDS[name]
-    opts = SolverOptions(time_limit, mip_rel_gap, o.threads, o.verbose, log=o.log)
-    passes: list[RawSolution] = []
-    lp_bound = -math.inf
+    name = _backend_name(o.backend)
+    opts = SolverOptions(o.time_limit, o.mip_rel_gap, o.threads, o.verbose, log=o.log)
+    st = _Solve(model, o, name, _BACKENDS[name], opts, started)
+    if o.keep_start and start is not None and certify is not None and model.n_integer > 0:
+        if (found := _kept_start(st, start, certify, screen if screening_ok else None, whole, rounding)) is not None:
+            return found
+    if o.lp_first or model.n_integer == 0:
+        if (found := _lp_first(st, rounding, start)) is not None:
+            return found
+    return _mip(st)
+
+
+@dataclass
+class _Solve:
+    """What the passes of one ``solve`` share: the backend, the options each pass gets less the time
+    spent since ``started``, the passes run so far, the LP's bound and the best point found yet."""
+
+    model: LinearModel
+    options: SolveOptions
+    name: str
+    run: Backend
+    opts: SolverOptions
+    started: float
+    passes: list[RawSolution] = field(default_factory=list)
+    lp_bound: float = -math.inf
     best: tuple[np.ndarray, float] | None = None
-    if keep_start and start is not None and certify is not None and model.n_integer > 0:
-        best = _whole_point(model, start) or _point_with(model, run, opts, model.integer, start, passes)
-        if best is not None:
-            bound, y = certify(*best)
-            gap = relative_gap(best[1], bound)
-            # a bound above a feasible point's value is a tolerance artefact, not a proof
-            sound = bound <= best[1] + 1e-9 * max(1.0, abs(best[1]))
-            if sound and gap <= max(mip_rel_gap, OPTIMALITY_GAP):
-                return _result(model, name, passes, _within(gap), *best, bound)
-            if screening_ok:
-                screened = replace(screen, y=y if screen.y is None else screen.y)
-                left = _remaining(opts, started).time_limit
-                found = _screened(model, screened, whole, rounding, left, name, best)
-                if found is not None:
-                    return found
-    if lp_first or model.n_integer == 0:
-        # the relaxation without presolve: on placement LPs HiGHS's presolve costs more than it saves
-        lp = run(model, False, replace(_remaining(opts, started), presolve=False))
-        passes.append(lp)
-        if lp.status is SolveStatus.OPTIMAL and _is_integral(model, lp.x):
-            x = _rounded(model, lp.x)
-            objective = model.objective_value(x)
-            return _result(model, name, passes, SolveStatus.OPTIMAL, x, objective, lp.bound, lp_was_integral=True)
-        if model.n_integer == 0 or lp.status is SolveStatus.INFEASIBLE:
-            return _finish(model, name, run, opts, passes, lp_bound, diagnose=diagnose)
-        if lp.hit_limit:  # no integer point yet and no time left for the MIP
-            raise _timeout(model, name, opts)
-        if lp.status is SolveStatus.OPTIMAL:
-            lp_bound = lp.bound
-            gap = relative_gap(best[1], lp_bound) if best is not None else math.inf
-            if gap <= max(mip_rel_gap, OPTIMALITY_GAP):  # the start, completed above, is within the gap
-                return _result(model, name, passes, _within(gap), *best, lp_bound)
-            # integer points to complete, cheapest tries first: the rounded LP, the given start, then
-            # small MIPs over the columns the LP left fractional and those within a few rows of
-            # them, the others fixed at their LP value (far cheaper than the whole MIP, and on
-            # placement ILPs they find plans as good)
-            settled = model.integer & (np.abs(lp.x - np.round(lp.x)) <= INTEGRALITY_TOL)
-            given = [start] if start is not None and best is None else []  # else completed above
-            rounded = [rounding(lp.x)] if rounding is not None else []
-            guesses = _distinct(model, given + rounded if keep_start else rounded + given)
-            tries = [(model.integer, g) for g in guesses] + [
-                (model.integer & ~f, lp.x) for f in _neighbourhoods(model, model.integer & ~settled)
-            ]
-            for k, (columns, values) in enumerate(tries):
-                point = _point_with(model, run, _remaining(opts, started), columns, values, passes)
-                if point is not None and (best is None or point[1] < best[1]):
-                    best = point
-                gap = relative_gap(best[1], lp_bound) if best is not None else math.inf
-                # every whole guess is tried before one is taken (the start may beat the rounding),
-                # unless the start is kept whenever it is good enough
-                settled = keep_start or k >= len(guesses) - 1 or gap <= OPTIMALITY_GAP
-                if gap <= max(mip_rel_gap, OPTIMALITY_GAP) and settled:
-                    return _result(model, name, passes, _within(gap), *best, lp_bound)
-    mip_opts = _remaining(opts, started)
-    if best is not None:
-        mip_opts = replace(mip_opts, start=best[0])
-    passes.append(run(model, True, mip_opts))
-    return _finish(model, name, run, opts, passes, lp_bound, best, diagnose)
+
+
+def _kept_start(
+    st: _Solve,
+    start: np.ndarray,
+    certify: Callable[[np.ndarray, float], tuple[float, np.ndarray]],
+    screen: Screen | None,
+    whole: Callable[[LinearModel, Callable | None, float | None, np.ndarray | None], SolveResult],
+    rounding: Callable[[np.ndarray], np.ndarray] | None,
+) -> SolveResult | None:
+    """Complete ``start`` into ``st.best`` and keep it when ``certify`` proves it within the gap, so
+    the LP never runs; short of that, a screened solve under its objective (with ``screen``).
+    ``None``: the solve goes on."""
+    model = st.model
+    st.best = _whole_point(model, start) or _point_with(model, st.run, st.opts, model.integer, start, st.passes)
+    if st.best is None:
+        return None
+    bound, y = certify(*st.best)
+    gap = relative_gap(st.best[1], bound)
+    # a bound above a feasible point's value is a tolerance artefact, not a proof
+    sound = bound <= st.best[1] + 1e-9 * max(1.0, abs(st.best[1]))
+    if sound and gap <= max(st.options.mip_rel_gap, OPTIMALITY_GAP):
+        return _result(model, st.name, st.passes, _within(gap), *st.best, bound)
+    if screen is None:
+        return None
+    screened = replace(screen, y=y if screen.y is None else screen.y)
+    left = _remaining(st.opts, st.started).time_limit
+    return _screened(model, screened, whole, rounding, left, st.name, st.best)
+
+
+def _lp_first(
+    st: _Solve, rounding: Callable[[np.ndarray], np.ndarray] | None, start: np.ndarray | None
+) -> SolveResult | None:
+    """Solve the LP relaxation and take its point when integral (placement LPs usually are), else
+    the best completion near it (``_completions``) within the gap of its bound. A model without
+    integer columns, or with an infeasible LP, ends here (``_finish``); an LP that used up the time
+    limit raises. ``None``: the MIP runs, with ``st.lp_bound`` set when the LP was solved."""
+    model = st.model
+    # the relaxation without presolve: on placement LPs HiGHS's presolve costs more than it saves
+    lp = st.run(model, False, replace(_remaining(st.opts, st.started), presolve=False))
+    st.passes.append(lp)
+    if lp.status is SolveStatus.OPTIMAL and _is_integral(model, lp.x):
+        x = _rounded(model, lp.x)
+        objective = model.objective_value(x)
+        return _result(model, st.name, st.passes, SolveStatus.OPTIMAL, x, objective, lp.bound, lp_was_integral=True)
+    if model.n_integer == 0 or lp.status is SolveStatus.INFEASIBLE:
+        return _finish(model, st.name, st.run, st.opts, st.passes, st.lp_bound, diagnose=st.options.diagnose)
+    if lp.hit_limit:  # no integer point yet and no time left for the MIP
+        raise _timeout(model, st.name, st.opts)
+    if lp.status is not SolveStatus.OPTIMAL:
+        return None
+    st.lp_bound = lp.bound
+    gap = relative_gap(st.best[1], st.lp_bound) if st.best is not None else math.inf
+    if gap <= max(st.options.mip_rel_gap, OPTIMALITY_GAP):  # the start, completed already, is within the gap
+        return _result(model, st.name, st.passes, _within(gap), *st.best, st.lp_bound)
+    return _completions(st, lp.x, rounding, start)
+
+
+def _completions(
+    st: _Solve, lp_x: np.ndarray, rounding: Callable[[np.ndarray], np.ndarray] | None, start: np.ndarray | None
+) -> SolveResult | None:
+    """Complete integer points near the LP's ``lp_x``, cheapest tries first: the rounded LP, the
+    given start, then small MIPs over the columns the LP left fractional and those within a few
+    rows of them, the others fixed at their LP value (far cheaper than the whole MIP, and on
+    placement ILPs they find plans as good). The best point within the gap of ``st.lp_bound``;
+    ``None`` when none is (``st.best`` then holds the best found, the MIP's start)."""
+    model, keep_start = st.model, st.options.keep_start
+    settled = model.integer & (np.abs(lp_x - np.round(lp_x)) <= INTEGRALITY_TOL)
+    given = [start] if start is not None and st.best is None else []  # else completed by ``_kept_start``
+    rounded = [rounding(lp_x)] if rounding is not None else []
+    guesses = _distinct(model, given + rounded if keep_start else rounded + given)
+    tries = [(model.integer, g) for g in guesses] + [
+        (model.integer & ~f, lp_x) for f in _neighbourhoods(model, model.integer & ~settled)
+    ]
+    for k, (columns, values) in enumerate(tries):
+        point = _point_with(model, st.run, _remaining(st.opts, st.started), columns, values, st.passes)
+        if point is not None and (st.best is None or point[1] < st.best[1]):
+            st.best = point
+        gap = relative_gap(st.best[1], st.lp_bound) if st.best is not None else math.inf
+        # every whole guess is tried before one is taken (the start may beat the rounding),
+        # unless the start is kept whenever it is good enough
+        settled = keep_start or k >= len(guesses) - 1 or gap <= OPTIMALITY_GAP
+        if gap <= max(st.options.mip_rel_gap, OPTIMALITY_GAP) and settled:
+            return _result(model, st.name, st.passes, _within(gap), *st.best, st.lp_bound)
+    return None
+
+
+def _mip(st: _Solve) -> SolveResult:
+    """The whole MIP within what is left of the time limit, from the best point found (if any)."""
+    mip_opts = _remaining(st.opts, st.started)
+    if st.best is not None:
+        mip_opts = replace(mip_opts, start=st.best[0])
+    st.passes.append(st.run(st.model, True, mip_opts))
+    return _finish(st.model, st.name, st.run, st.opts, st.passes, st.lp_bound, st.best, st.options.diagnose)
+
+
+def _whole(
+    options: SolveOptions,
+    sub: LinearModel,
+    round_sub: Callable[[np.ndarray], np.ndarray] | None,
+    limit: float | None,
+    sub_start: np.ndarray | None = None,
+) -> SolveResult:
+    """``solve`` of ``_screened``'s smaller model ``sub`` within ``limit`` seconds, undiagnosed (its
+    failure has a fallback), keeping ``sub_start`` when it is good enough."""
+    sub_opts = replace(options, time_limit=limit, diagnose=False, keep_start=sub_start is not None)
+    return solve(sub, sub_opts, rounding=round_sub, start=sub_start)
 
 
 def _screened(

@@ -141,7 +141,39 @@ def alternatives(
     neighbours); pins and the memory budget are not applied to the alternatives. Identical layers
     are priced once, and a node's strategies all at once: each edge's moves as one cost row (a
     node has hundreds of strategies on a 3-D mesh)."""
-    # each move with its segment and the tensor it moves (its meta made once per value: a stride is a call)
+    view = _local_view(chosen, cost_model, all_moves, budget)
+    memo: dict[tuple, tuple[float, tuple[Alternative, ...]]] = {}
+    out = {}
+    for n, s0 in chosen.items():
+        if n.op == "call_function" and n.target is operator.getitem:
+            continue
+        opts = options.get(n, ())
+        context = _context(view, n)
+        key = (_node_key(n), id(s0), id(opts), context)
+        if key not in memo:
+            memo[key] = _priced(view, n, s0, opts, keep)
+        out[n.name] = memo[key]
+    return out
+
+
+@dataclass(frozen=True)
+class _LocalView:
+    """What pricing one node's strategies against its neighbours' choices needs: the plan, each
+    node's moves with their segment and the tensor they move, and per segment the seconds of the
+    plan's moves that hide under it and its budget."""
+
+    chosen: dict[fx.Node, Strategy]
+    cost_model: CostModel
+    touching: dict[fx.Node, list[tuple[Move, str | None, TensorMeta]]]
+    hideable: dict[str, float]
+    budget: dict[str, float]
+
+
+def _local_view(
+    chosen: dict[fx.Node, Strategy], cost_model: CostModel, all_moves: list[Move], budget: dict[str, float]
+) -> _LocalView:
+    """Each node's moves, with their segment and the tensor they move (its meta made once per
+    value: a stride is a call), and per segment the seconds of ``chosen``'s moves under it."""
     touching: dict[fx.Node, list[tuple[Move, str | None, TensorMeta]]] = defaultdict(list)
     metas: dict[fx.Node, TensorMeta] = {}
     hideable: dict[str, float] = defaultdict(float)
@@ -155,64 +187,72 @@ def alternatives(
         src, dst = e.ends(chosen.__getitem__)
         if seg is not None and src != dst:
             hideable[seg] += cost_model.redistribute_cost(src, dst, metas[e.value])
+    return _LocalView(chosen, cost_model, touching, hideable, budget)
 
-    def seconds_of(n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
-        """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
-        rows = []
-        for e, _, meta in touching[n]:
-            src, dst = e.ends(chosen.__getitem__)
-            if e.src is n:
-                ends, other = [s.outputs[e.k] for s in candidates], dst
-                row = cost_model.redistribute_costs(ends, [dst], meta)[:, 0]
-            else:
-                ends, other = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates], src
-                row = cost_model.redistribute_costs([src], ends, meta)[0]
-            # no move where the ends agree (as ``evaluate`` prices it), even one DTensor would refuse
-            rows.append(np.where(cost_model.numbers(ends) == cost_model.numbers([other])[0], 0.0, row))
-        return np.array(rows).reshape(len(rows), len(candidates))
 
-    def step_seconds(n: fx.Node, seconds: np.ndarray) -> np.ndarray:
-        """Per candidate, its moves' exposed seconds plus what each segment they hide under spills
-        over its budget, the other nodes' hideable moves kept (column 0: the chosen strategy)."""
-        segments = [seg for _, seg, _ in touching[n]]
-        out = seconds[[seg is None for seg in segments]].sum(axis=0)
-        for seg in dict.fromkeys(s for s in segments if s is not None):
-            mine = seconds[[s == seg for s in segments]].sum(axis=0)
-            out += np.maximum(hideable[seg] - mine[0] + mine - budget.get(seg, 0.0), 0.0)
-        return out
+def _context(view: _LocalView, n: fx.Node) -> tuple:
+    """The state of ``n``'s moves that its alternatives' prices depend on, for the memo's key: which
+    end ``n`` is, its neighbours' placements, each tensor and each segment's load and budget."""
+    chosen, hideable, budget = view.chosen, view.hideable, view.budget
+    # placements and strategies by identity (every copy of a layer holds its representative's
+    # objects, alive while this runs): hashing placements ran in Python, 340 K times on a 3-D
+    # mesh; each move's segment by its place among the node's (which moves share one), and its state
+    place = {seg: i for i, seg in enumerate(dict.fromkeys(seg for _, seg, _ in view.touching[n]))}
+    return tuple(
+        (e.src is n, e.k, e.slot, *map(id, e.ends(chosen.__getitem__)), meta)
+        + ((place[seg], hideable[seg], budget.get(seg, 0.0)) if seg else ())
+        for e, seg, meta in view.touching[n]
+    )
 
-    memo: dict[tuple, tuple[float, tuple[Alternative, ...]]] = {}
-    out = {}
-    for n, s0 in chosen.items():
-        if n.op == "call_function" and n.target is operator.getitem:
-            continue
-        opts = options.get(n, ())
-        # placements and strategies by identity (every copy of a layer holds its representative's
-        # objects, alive while this runs): hashing placements ran in Python, 340 K times on a 3-D
-        # mesh; each move's segment by its place among the node's (which moves share one), and its state
-        place = {seg: i for i, seg in enumerate(dict.fromkeys(seg for _, seg, _ in touching[n]))}
-        context = tuple(
-            (e.src is n, e.k, e.slot, *map(id, e.ends(chosen.__getitem__)), meta)
-            + ((place[seg], hideable[seg], budget.get(seg, 0.0)) if seg else ())
-            for e, seg, meta in touching[n]
-        )
-        key = (_node_key(n), id(s0), id(opts), context)
-        if key not in memo:
-            candidates = (s0, *opts)
-            seconds = seconds_of(n, candidates)
-            compute = np.r_[cost_model.op_seconds(n, s0), cost_model.strategy_seconds(n, opts)]
-            comm = seconds.sum(axis=0)
-            step = compute + step_seconds(n, seconds)
-            priced = []
-            for i in np.argsort(step[1:], kind="stable") + 1:
-                if len(priced) == keep or not np.isfinite(step[i]):
-                    break
-                s = candidates[i]
-                if s is not s0 and s != s0:
-                    delta = float(step[i] - step[0])
-                    priced.append(Alternative(s.outputs, s.inputs, float(compute[i]), float(comm[i]), delta))
-            memo[key] = (float(comm[0]), tuple(priced))
-        out[n.name] = memo[key]
+
+def _priced(
+    view: _LocalView, n: fx.Node, s0: Strategy, opts: tuple[Strategy, ...], keep: int
+) -> tuple[float, tuple[Alternative, ...]]:
+    """The chosen ``s0``'s redistribution seconds and the ``keep`` cheapest of ``opts`` other than
+    it, each with what the step from ``s0`` would change the cost by (a node's strategies priced
+    at once: one cost row per move)."""
+    cost_model = view.cost_model
+    candidates = (s0, *opts)
+    seconds = _seconds_of(view, n, candidates)
+    compute = np.r_[cost_model.op_seconds(n, s0), cost_model.strategy_seconds(n, opts)]
+    comm = seconds.sum(axis=0)
+    step = compute + _step_seconds(view, n, seconds)
+    priced = []
+    for i in np.argsort(step[1:], kind="stable") + 1:
+        if len(priced) == keep or not np.isfinite(step[i]):
+            break
+        s = candidates[i]
+        if s is not s0 and s != s0:
+            delta = float(step[i] - step[0])
+            priced.append(Alternative(s.outputs, s.inputs, float(compute[i]), float(comm[i]), delta))
+    return float(comm[0]), tuple(priced)
+
+
+def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
+    """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
+    chosen, cost_model = view.chosen, view.cost_model
+    rows = []
+    for e, _, meta in view.touching[n]:
+        src, dst = e.ends(chosen.__getitem__)
+        if e.src is n:
+            ends, other = [s.outputs[e.k] for s in candidates], dst
+            row = cost_model.redistribute_costs(ends, [dst], meta)[:, 0]
+        else:
+            ends, other = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates], src
+            row = cost_model.redistribute_costs([src], ends, meta)[0]
+        # no move where the ends agree (as ``evaluate`` prices it), even one DTensor would refuse
+        rows.append(np.where(cost_model.numbers(ends) == cost_model.numbers([other])[0], 0.0, row))
+    return np.array(rows).reshape(len(rows), len(candidates))
+
+
+def _step_seconds(view: _LocalView, n: fx.Node, seconds: np.ndarray) -> np.ndarray:
+    """Per candidate, its moves' exposed seconds plus what each segment they hide under spills
+    over its budget, the other nodes' hideable moves kept (column 0: the chosen strategy)."""
+    segments = [seg for _, seg, _ in view.touching[n]]
+    out = seconds[[seg is None for seg in segments]].sum(axis=0)
+    for seg in dict.fromkeys(s for s in segments if s is not None):
+        mine = seconds[[s == seg for s in segments]].sum(axis=0)
+        out += np.maximum(view.hideable[seg] - mine[0] + mine - view.budget.get(seg, 0.0), 0.0)
     return out
 
 
