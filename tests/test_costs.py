@@ -571,3 +571,27 @@ def test_placements_are_numbered_by_value_whatever_object_holds_them():
     held[0] = R
     assert cm._id(held) == cm._id((R, R)) != cm._id(first)
     assert cm.redistribute_cost(first, (R, R), meta(8, 8)) == cm.redistribute_cost(again, tuple(held), meta(8, 8)) > 0
+
+
+@pytest.mark.parametrize("layout", ["2d x 3d", "3d x 3d", "2d x 2d", "3d x 2d"])
+def test_grouped_mm_flops_count_the_routed_rows(layout):
+    """A grouped matmul's FLOPs are the sum of its groups' products, whatever the offsets: each
+    routed token meets one expert, not all of them (torch's flop counter has no formula, so it
+    was free before)."""
+    bf, e, m, k, n = torch.bfloat16, 3, 8, 16, 32
+    sizes = [0, 48, 16]  # uneven groups, one empty: the total does not depend on them
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if layout == "2d x 3d":  # tokens sorted by expert, times each expert's weight
+        a, b = torch.randn(sum(sizes), k, dtype=bf), torch.randn(e, k, n, dtype=bf)
+        expected = sum(2 * g * k * n for g in sizes)
+    elif layout == "3d x 3d":
+        a, b, offs = torch.randn(e, m, k, dtype=bf), torch.randn(e, k, n, dtype=bf), None
+        expected = e * 2 * m * k * n
+    elif layout == "2d x 2d":  # the experts' weight gradient: groups split the inner dim
+        a, b = torch.randn(k, sum(sizes), dtype=bf), torch.randn(sum(sizes), n, dtype=bf)
+        expected = sum(2 * k * g * n for g in sizes)
+    else:  # groups split the output columns
+        a, b = torch.randn(e, m, k, dtype=bf), torch.randn(k, sum(sizes), dtype=bf)
+        expected = sum(2 * m * k * g for g in sizes)
+    out = torch._grouped_mm(a, b, offs)  # the layout is one the kernel runs
+    assert node_flops(aten._grouped_mm.default, (a, b, offs), {}, out) == expected
