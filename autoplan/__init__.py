@@ -12,6 +12,7 @@ from autoplan.errors import (
     UnsupportedOpError,
 )
 from autoplan.plan import Plan
+from autoplan.trace.grouped_mm import any_dtype as any_dtype_grouped_mm
 
 __all__ = [
     "DEVICE_PROFILES",
@@ -26,4 +27,5 @@ __all__ = [
     "SolverLimitError",
     "TracingError",
     "UnsupportedOpError",
+    "any_dtype_grouped_mm",
 ]

@@ -236,3 +236,31 @@ class CheckpointedMLP(nn.Module):
 
             x = checkpoint(block, x, use_reentrant=False)
         return x
+
+
+class GroupedMoE(nn.Module):
+    """A token-choice top-k mixture of experts as torchtitan writes one: a router, tokens sorted by
+    expert, per-expert counts and offsets, SwiGLU experts as grouped matmuls, the outputs scattered
+    back weighted by the router's scores, and a shared expert beside them."""
+
+    def __init__(self, dim: int = 32, hidden: int = 32, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.experts, self.top_k = experts, top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, dim, hidden) / dim**0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, dim, hidden) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) / hidden**0.5)
+        self.shared = MLP(dim, hidden, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        tokens = x.reshape(-1, d)
+        scores, chosen = torch.topk(self.router(tokens).softmax(-1), self.top_k, dim=-1)
+        order = chosen.reshape(-1).argsort(stable=True)
+        counts = torch.histc(chosen.reshape(-1).float(), bins=self.experts, min=0, max=self.experts - 1)
+        offs = counts.cumsum(0).to(torch.int32)
+        routed = tokens[order // self.top_k]
+        h = F.silu(torch._grouped_mm(routed, self.w1, offs)) * torch._grouped_mm(routed, self.w3, offs)
+        out = torch._grouped_mm(h, self.w2, offs) * scores.reshape(-1)[order, None]
+        combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, out)
+        return (x + combined.reshape(b, s, d) + self.shared(x)).sum(-1)

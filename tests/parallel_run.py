@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from autoplan.lower.collectives import collective_kind, is_c10d
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY
+from autoplan.trace import grouped_mm
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 IO = (S0, R)  # batch-sharded inputs and outputs
@@ -55,6 +56,10 @@ def make(name: str, batch_rows: int = 4):
         cfg = LLAMA3_CONFIGS["debug"]
         cfg = dataclasses.replace(cfg, n_layers=int(name[5:])) if name != "llama" else cfg
         return (lambda: Transformer(cfg)), (lambda g: torch.randint(0, cfg.vocab_size, (batch_rows, 16), generator=g))
+    if name == "moe":
+        from models import GroupedMoE
+
+        return GroupedMoE, (lambda g: torch.randn(batch_rows, 8, 32, generator=g))
     if name == "tied":
         return TiedLM, (lambda g: torch.randint(0, 64, (batch_rows, 8), generator=g))
     if name == "mlp":
@@ -94,7 +99,8 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
     ref.initial_state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step, batch in enumerate(ref.batches):
-        loss = model(batch).mean()
+        with grouped_mm.any_dtype():  # an fp32 MoE's grouped matmuls (ATen's take bfloat16 only)
+            loss = model(batch).mean()
         loss.backward()
         if step == 0:
             ref.grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}

@@ -176,6 +176,12 @@ def single_dim_rules(op: torch._ops.OpOverload, args_meta: tuple, kwargs_meta: d
     return [tuple(Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p for p in row) for row in rows]
 
 
+def share_rule(op: torch._ops.OpOverload, like: torch._ops.OpOverload) -> None:
+    """Make DTensor split ``op`` as it splits ``like`` (an op of ours computing the same product)."""
+    propagator = sharding_propagator()
+    propagator.register_op_strategy(op, propagator.op_strategy_funcs[like])
+
+
 def has_full_rule(op: torch._ops.OpOverload) -> bool:
     return op in sharding_propagator().op_strategy_funcs
 

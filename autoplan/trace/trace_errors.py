@@ -22,8 +22,6 @@ _DATA_DEPENDENT = "DataDependentOutputException DynamicOutputShapeException Guar
 _OP_HINTS = {
     "aten.embedding.default": "an embedding reads integer indices: does input_fn return token ids as"
     " torch.long (torch.randint), not floats?",
-    "aten._grouped_mm.default": "grouped_mm takes bfloat16 inputs only: build the model in bfloat16, or (a"
-    " Hugging Face MoE) pick experts_implementation='batched_mm'",
 }
 
 

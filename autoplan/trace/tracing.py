@@ -32,7 +32,7 @@ from autoplan.adapters.ops import OpOverload, schema
 from autoplan.adapters.pytree import tree_flatten, tree_map_only, tree_unflatten
 from autoplan.progress import ticker
 from autoplan.trace import attention as attn
-from autoplan.trace import stamping
+from autoplan.trace import grouped_mm, stamping
 from autoplan.trace.batch_norm import batch_norm
 from autoplan.trace.inputs import InputSpec, split_call
 from autoplan.trace.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
@@ -275,8 +275,9 @@ def _sdpa_kernel_call(
 
 class _TracedFunctions(TorchFunctionMode):
     """While tracing, ``F.scaled_dot_product_attention`` calls the aten kernel ``option`` picks (the
-    host's own dispatch for ``"cpu"``), and ``F.batch_norm`` computes its statistics with reductions
-    the planner can split (``autoplan.trace.batch_norm``)."""
+    host's own dispatch for ``"cpu"``), ``F.batch_norm`` computes its statistics with reductions
+    the planner can split (``autoplan.trace.batch_norm``), and ``torch._grouped_mm`` runs in any
+    floating dtype (``autoplan.trace.grouped_mm``)."""
 
     def __init__(self, option: str):
         super().__init__()
@@ -288,6 +289,8 @@ class _TracedFunctions(TorchFunctionMode):
             return _sdpa_kernel_call(self.option, *args, **kwargs)
         if func is F.batch_norm:
             return batch_norm(*args, **kwargs)
+        if func is torch._grouped_mm:
+            return grouped_mm.in_any_dtype(*args, **kwargs)
         return func(*args, **kwargs)
 
 
