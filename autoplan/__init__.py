@@ -13,6 +13,7 @@ from autoplan.errors import (
 )
 from autoplan.plan import Plan
 from autoplan.trace.grouped_mm import any_dtype as any_dtype_grouped_mm
+from autoplan.trace.regions import local_map
 
 __all__ = [
     "DEVICE_PROFILES",
@@ -28,4 +29,5 @@ __all__ = [
     "TracingError",
     "UnsupportedOpError",
     "any_dtype_grouped_mm",
+    "local_map",
 ]

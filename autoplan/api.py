@@ -39,7 +39,7 @@ from autoplan.shard.strategies import (
 from autoplan.shard.uneven import fsdp_bytes
 from autoplan.solve import mismatch
 from autoplan.solve.planner import DEFAULT_GAP, NO_RECOMPUTE, Planner, Request
-from autoplan.trace import recompute
+from autoplan.trace import recompute, regions
 from autoplan.trace.attention import check_option as check_attention_option
 from autoplan.trace.clustering import Clustering, find_repeats, unclustered
 from autoplan.trace.inputs import InputSpec, TensorInput
@@ -197,9 +197,10 @@ class AutoParallel:
     def __enter__(self) -> AutoParallel:
         with collector_paused():
             t0 = time.perf_counter()
-            self.traced = trace_joint(
-                self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
-            )
+            with regions.tracing_on(self.mesh.shape):
+                self.traced = trace_joint(
+                    self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
+                )
             recompute.fold_checkpoints(self.traced.gm.graph)
             ta = time.perf_counter()
             unusable = _unusable_mesh_dims(self.traced, self.mesh)

@@ -264,3 +264,76 @@ class GroupedMoE(nn.Module):
         out = torch._grouped_mm(h, self.w2, offs) * scores.reshape(-1)[order, None]
         combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, out)
         return (x + combined.reshape(b, s, d) + self.shared(x)).sum(-1)
+
+
+class LocalRegionMLP(nn.Module):
+    """An MLP whose middle runs in an ``autoplan.local_map`` region: row by row (so as on one device),
+    on rows split over the mesh's first dim, with a weight it reads whole."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        from autoplan import local_map
+
+        rows, whole = (Shard(0), Replicate()), (Replicate(), Replicate())
+
+        # each rank's rows read the whole weight: its gradient there is a partial sum over the
+        # ranks that split the rows, and the same on those that do not
+        grads = (rows, (Partial(), Replicate()))
+
+        @local_map(out_placements=rows, in_placements=(rows, whole), in_grad_placements=grads)
+        def middle(h, scale):
+            return F.gelu(h) * scale + h.pow(2).mean(-1, keepdim=True)
+
+        return self.fc2(middle(self.fc1(x), self.scale))
+
+
+class CapacityMoE(nn.Module):
+    """A top-k mixture of experts whose routing runs in ``autoplan.local_map`` regions, as expert
+    parallel code routes: each rank sends its own tokens into per-expert capacity buffers
+    ``[E, C, D]`` (dispatch) and reads them back (combine); between them the experts' batched
+    matmuls, which the planner may split over the experts (expert parallel: the buffers move from
+    split by capacity, each rank's own slots, to split by expert, by all-to-all), inside each
+    expert, or not at all. The capacity holds every token routed (nothing is dropped), so a plan
+    computes what one device does."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.experts, self.top_k = experts, top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, dim, hidden) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) / hidden**0.5)
+
+    def forward(self, x):
+        from torch.distributed.tensor import Replicate, Shard
+
+        from autoplan import local_map
+
+        b, s, d = x.shape
+        e, k = self.experts, self.top_k
+        rows, slots = (Shard(0), Replicate()), (Shard(1), Replicate())
+        tokens = x.reshape(-1, d)
+
+        @local_map(out_placements=(slots, rows, rows, rows), in_placements=(rows, rows))
+        def dispatch(tokens, logits):
+            scores, chosen = torch.topk(logits.softmax(-1), k, dim=-1)
+            chosen = chosen.reshape(-1)
+            onehot = F.one_hot(chosen, e)
+            slot = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each routed token's place in its expert
+            buffer = tokens.new_zeros(e, tokens.shape[0] * k, d)
+            buffer = buffer.index_put((chosen, slot), tokens.repeat_interleave(k, 0))
+            return buffer, chosen, slot, scores.reshape(-1)
+
+        @local_map(out_placements=rows, in_placements=(slots, rows, rows, rows))
+        def combine(buffer, chosen, slot, scores):
+            routed = buffer[chosen, slot] * scores[:, None]
+            return routed.reshape(-1, k, d).sum(1)
+
+        buffer, chosen, slot, scores = dispatch(tokens, self.router(tokens))
+        out = torch.bmm(F.gelu(torch.bmm(buffer, self.w1)), self.w2)
+        return (x + combine(out, chosen, slot, scores).reshape(b, s, d)).sum(-1)

@@ -56,6 +56,14 @@ def make(name: str, batch_rows: int = 4):
         cfg = LLAMA3_CONFIGS["debug"]
         cfg = dataclasses.replace(cfg, n_layers=int(name[5:])) if name != "llama" else cfg
         return (lambda: Transformer(cfg)), (lambda g: torch.randint(0, cfg.vocab_size, (batch_rows, 16), generator=g))
+    if name == "local_region":
+        from models import LocalRegionMLP
+
+        return LocalRegionMLP, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
+    if name == "capacity_moe":
+        from models import CapacityMoE
+
+        return (lambda: CapacityMoE(hidden=512)), (lambda g: torch.randn(batch_rows, 8, 32, generator=g))
     if name == "moe":
         from models import GroupedMoE
 

@@ -1,6 +1,7 @@
 """Adapter over torch's private operator classes: ``torch._ops.OpOverload`` (the type of every ATen
-op in a traced graph), its ``_schema`` and ``_opname``, and ``torch.utils._python_dispatch``'s
-dispatch mode, so a torch upgrade touches one module.
+op in a traced graph), its ``_schema`` and ``_opname``, ``torch.utils._python_dispatch``'s
+dispatch mode, the grouped matmul's Python entry point ``torch._grouped_mm`` and the shape check
+``torch._check`` fake kernels make, so a torch upgrade touches one module.
 
 Graph passes tell ATen calls from other nodes by the overload type, read argument names, defaults
 and mutability off the schema, and match ops by their bare name across overloads.
@@ -8,10 +9,14 @@ and mutability off the schema, and match ops by their bare name across overloads
 
 from __future__ import annotations
 
+import torch
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpOverload", "TorchDispatchMode", "base_name", "schema"]
+__all__ = ["OpOverload", "TorchDispatchMode", "base_name", "check", "grouped_mm", "schema"]
+
+grouped_mm = torch._grouped_mm  # what models call; ATen's kernel takes bfloat16 only
+check = torch._check  # a condition on (possibly symbolic) sizes, failing with the message given
 
 
 def schema(op: OpOverload):

@@ -12,11 +12,13 @@ from autoplan.adapters.dtensor import TensorMeta
 from autoplan.adapters.pytree import tree_map
 from autoplan.cost.flops import node_flops
 from autoplan.shard.strategies import aliases_input
+from autoplan.trace import regions
 
 
 def is_free(node: fx.Node) -> bool:
-    """Ops that launch no kernel: placeholders, getitems, views and aliases."""
-    return node.op != "call_function" or aliases_input(node)
+    """Ops that launch no kernel: placeholders, getitems, views, aliases and the boundaries of
+    ``local_map`` regions (a shard passed on as it is)."""
+    return node.op != "call_function" or aliases_input(node) or node.target in (regions.ENTER, regions.EXIT)
 
 
 def flops_of(node: fx.Node) -> float:

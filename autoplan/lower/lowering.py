@@ -36,7 +36,7 @@ from autoplan.lower.validate import GraphCheckError, check_lowered
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
 from autoplan.shard.strategies import Placements
-from autoplan.trace import attention
+from autoplan.trace import attention, regions
 from autoplan.trace.recompute import closure, just_in_time, layer_of
 from autoplan.trace.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 
@@ -206,7 +206,9 @@ def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, outputs: tuple):
     unwrap = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
     args, kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
     spec = attention.spec_of(node.target)
-    if spec is None or spec.backend == "cpu":
+    if node.target in (regions.ENTER, regions.EXIT):  # a region's boundary: the shard as it is
+        result = args[0]
+    elif spec is None or spec.backend == "cpu":
         result = node.target(*args, **kwargs)
     elif mesh.device_type == "cpu":
         values = {role: spec.arg(args, kwargs, role) for role in spec.arg_names}
@@ -317,7 +319,7 @@ def _mark_phases(graph: fx.Graph, n_outputs: int) -> None:
                 anchor = n
 
 
-LOCAL_RULES = ("autoplan", "fallback")
+LOCAL_RULES = ("autoplan", "fallback", "local_map")
 COORDINATE = ("coordinate", "mesh")  # input label of the rank's mesh coordinate
 
 

@@ -27,7 +27,7 @@ from autoplan.adapters.pytree import tree_map
 from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
 from autoplan.shard.constraints import placement_error
-from autoplan.trace import attention
+from autoplan.trace import attention, regions
 from autoplan.trace.tracing import PATH_KEY
 
 Placements = dt.Placements
@@ -296,6 +296,18 @@ def _filter(node: fx.Node, cands: Iterable[Strategy], mesh_shape: Sequence[int])
     return tuple(seen)
 
 
+def _region_strategy(node: fx.Node, mesh_ndim: int) -> Strategy:
+    """A ``local_map`` region's op (``autoplan.trace.regions``): its body runs as written on each
+    rank's local tensors, replicated; its boundaries take a value from, or give it, the placements
+    the region declares."""
+    local = (Replicate(),) * mesh_ndim
+    if node.target is regions.ENTER:
+        return Strategy((local,), (regions.placements_of(node.args[2]),))
+    if node.target is regions.EXIT:
+        return Strategy((regions.placements_of(node.args[2]),), (local,))
+    return _replicate_only(node, mesh_ndim)[0]
+
+
 @dataclass
 class StrategyBuilder:
     """Enumerates strategies node by node; ``choices`` are the producers' candidate output placements."""
@@ -314,6 +326,8 @@ class StrategyBuilder:
         Each node gets its own tuple of the shared strategies: per-tuple
         caches (``CostModel.strategy_seconds``, ``problem.Shared.labels``) count on a tuple naming
         one layer's node."""
+        if regions.in_region(node):
+            return NodeStrategies((_region_strategy(node, len(self.mesh_shape)),), "local_map")
         key = _op_key(node, choices)
         if key is None:
             return self._for_op(node, choices)
@@ -377,7 +391,8 @@ def enumerate_strategies(
     """Strategies for every representative node, in graph order.
 
     An input's choices are the placements its producer can output. When the producer has not been
-    enumerated yet (a tied layer reading a later copy's value), every placement is a choice.
+    enumerated yet (a tied layer reading a later copy's value), or is a ``local_map`` region's
+    output, every placement is a choice.
     The placeholders in ``uneven`` (the parameters) may also be stored split unevenly; their
     readers still get them in even placements (``autoplan.shard.uneven``).
     """
@@ -393,7 +408,11 @@ def enumerate_strategies(
             choices = {}
             for a in tensor_inputs(n):
                 u, k = value_of(a)
-                if rep[u] in out:
+                if u.target is regions.EXIT:
+                    # a region declares one placement for what it makes: its readers may want it
+                    # moved (an all-to-all into another split, not only a gather)
+                    choices[a] = all_placements(a.meta["val"], builder.mesh_shape)
+                elif rep[u] in out:
                     choices[a] = list(dict.fromkeys(s.outputs[k] for s in out[rep[u]].strategies))
                 else:
                     choices[a] = all_placements(a.meta["val"], builder.mesh_shape, partial=True)

@@ -21,6 +21,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from autoplan.adapters.dtensor import share_rule
+from autoplan.adapters.ops import check
+from autoplan.adapters.ops import grouped_mm as aten_grouped_mm
 
 aten = torch.ops.aten
 
@@ -56,8 +58,8 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None) -> Tensor:
 
 @grouped_mm.register_fake
 def _(a: Tensor, b: Tensor, offs: Tensor | None = None) -> Tensor:
-    torch._check(a.dim() in (2, 3) and b.dim() in (2, 3), lambda: "grouped_mm multiplies 2-D or 3-D tensors")
-    torch._check(offs is not None or (a.dim() == 3 and b.dim() == 3), lambda: "grouped_mm needs offsets here")
+    check(a.dim() in (2, 3) and b.dim() in (2, 3), lambda: "grouped_mm multiplies 2-D or 3-D tensors")
+    check(offs is not None or (a.dim() == 3 and b.dim() == 3), lambda: "grouped_mm needs offsets here")
     return a.new_empty(_out_shape(a, b, offs))
 
 
@@ -88,7 +90,7 @@ share_rule(torch.ops.autoplan.grouped_mm.default, aten._grouped_mm.default)
 def in_any_dtype(a: Tensor, b: Tensor, offs: Tensor | None = None, bias=None, out_dtype=None) -> Tensor:
     """``torch._grouped_mm``'s call: ATen's kernel for bfloat16, ``autoplan::grouped_mm`` otherwise."""
     if a.dtype == torch.bfloat16 or bias is not None or (out_dtype is not None and out_dtype != a.dtype):
-        return torch._grouped_mm(a, b, offs, bias=bias, out_dtype=out_dtype)
+        return aten_grouped_mm(a, b, offs, bias=bias, out_dtype=out_dtype)
     return grouped_mm(a, b, offs)
 
 
@@ -97,6 +99,6 @@ class any_dtype(TorchFunctionMode):  # noqa: N801 (used as a context manager, li
     runs eagerly on CPU, e.g. as the single-device reference of a plan's numerics."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch._grouped_mm:
+        if func is aten_grouped_mm:
             return in_any_dtype(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))

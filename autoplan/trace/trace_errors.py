@@ -60,8 +60,8 @@ def _tracing_error(exc: BaseException, module_path: str) -> TracingError:
         first = "its result's shape or a Python value read from it depends on tensor data"
         way_out = (
             "a plan is made for one static graph (.item(), nonzero, boolean indexing and data-dependent routing"
-            " are not): compute it with static shapes (a Hugging Face MoE: experts_implementation='batched_mm'),"
-            " or outside the model and pass it in as an input"
+            " are not): compute it with static shapes (a Hugging Face MoE: its default experts kernel,"
+            " experts_implementation='grouped_mm'), or outside the model and pass it in as an input"
         )
     else:
         way_out = _OP_HINTS.get(op or "", "the op's checks failed on fake tensors, as they would on the target device")

@@ -32,7 +32,7 @@ from autoplan.adapters.ops import OpOverload, schema
 from autoplan.adapters.pytree import tree_flatten, tree_map_only, tree_unflatten
 from autoplan.progress import ticker
 from autoplan.trace import attention as attn
-from autoplan.trace import grouped_mm, stamping
+from autoplan.trace import grouped_mm, regions, stamping
 from autoplan.trace.batch_norm import batch_norm
 from autoplan.trace.inputs import InputSpec, split_call
 from autoplan.trace.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
@@ -289,7 +289,7 @@ class _TracedFunctions(TorchFunctionMode):
             return _sdpa_kernel_call(self.option, *args, **kwargs)
         if func is F.batch_norm:
             return batch_norm(*args, **kwargs)
-        if func is torch._grouped_mm:
+        if func is grouped_mm.aten_grouped_mm:
             return grouped_mm.in_any_dtype(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -525,6 +525,7 @@ def _label_paths(gm: fx.GraphModule) -> None:
         if (node.meta.get("custom") or {}).get(RERUN_KEY) and node.op == "call_function":
             node.meta[RERUN_KEY] = True
     _inherit_backward_paths(gm)
+    regions.label(gm)
 
 
 def forward_nodes(graph: fx.Graph, n_outputs: int) -> set[fx.Node]:

@@ -22,7 +22,9 @@ from autoplan.cost.costs import CostModel
 from autoplan.plan import Plan
 from autoplan.shard.strategies import Placements, tensor_inputs
 from autoplan.solve.evaluate import reprice
+from autoplan.trace import regions
 from autoplan.trace.clustering import instance_of
+from autoplan.trace.regions import REGION_KEY
 from autoplan.trace.tracing import CHECKPOINT_KEY, PATH_KEY, PHASE_KEY, TracedGraph
 
 ALIAS = torch.ops.aten.alias.default
@@ -94,6 +96,8 @@ def insert_aliases(tg: TracedGraph) -> AliasStats:
         alias.meta[ALIAS_KEY] = True
         if CHECKPOINT_KEY in node.meta:  # a view of what the model checkpoints is recomputed with it
             alias.meta[CHECKPOINT_KEY] = node.meta[CHECKPOINT_KEY]
+        if REGION_KEY in node.meta and node.target is not regions.EXIT:  # a local value stays local
+            alias.meta[REGION_KEY] = node.meta[REGION_KEY]
         for u in readers:
             u.replace_input_with(node, alias)
         inserted += 1

@@ -1,0 +1,222 @@
+"""``autoplan.local_map``: code the planner does not split, run as written on each rank's shards.
+
+The meaning is torch's ``local_map``: the function receives each input's local shard, in the
+placements ``in_placements`` declares (per mesh dim), and its outputs are the local shards of
+tensors placed as ``out_placements`` declares; ``in_grad_placements`` are the placements of the
+inputs' gradients it makes (by default ``in_placements``). Outside autoplan's tracing it *is*
+torch's ``local_map``.
+
+While autoplan traces, the region's inputs pass through ``autoplan::region_enter`` (the global
+tensor to its local shard's shape) and its outputs through ``autoplan::region_exit`` (back), and
+the body is traced between them on local shapes; backward, each boundary's gradient crosses the
+other way. Every op of the body, forward and backward, is tagged with the region
+(``REGION_KEY``): the planner gives it one strategy, replicated, which is what running it as
+written on each rank's local tensors means, and prices it on the local shapes it really has. The
+planner chooses only how values reach the region's inputs and leave its outputs. Code the
+planner cannot see into, or must not split (data-dependent routing, its own collectives), goes
+in a region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import local_map as torch_local_map
+from torch.fx import traceback as fx_traceback
+
+from autoplan.adapters.pytree import tree_flatten, tree_unflatten
+from autoplan.errors import ConstraintError
+
+REGION_KEY = "autoplan_region"  # in a node's meta["custom"]: the local_map region it belongs to
+# the mesh shape of the trace under way (``tracing_on``), None outside autoplan's tracing
+_MESH: ContextVar[tuple[int, ...] | None] = ContextVar("autoplan_region_mesh", default=None)
+
+
+@contextlib.contextmanager
+def tracing_on(mesh_shape: Sequence[int]):
+    """Within it, ``local_map`` regions are traced as regions for a mesh of ``mesh_shape``."""
+    token = _MESH.set(tuple(mesh_shape))
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def _spec(mesh_shape: Sequence[int], placements: Sequence) -> str:
+    """A boundary's placements as the string its op carries, e.g. ``"2x4|S0,R"``."""
+    names = []
+    for p in placements:
+        if isinstance(p, Shard):
+            names.append(f"S{p.dim}")
+        elif isinstance(p, Partial):
+            names.append("P")
+        elif isinstance(p, Replicate):
+            names.append("R")
+        else:
+            raise ConstraintError(f"local_map placement {p!r}: only Shard, Replicate and Partial are planned")
+    return "x".join(map(str, mesh_shape)) + "|" + ",".join(names)
+
+
+def placements_of(spec: str) -> tuple:
+    """The placements a boundary's ``spec`` names."""
+    made = {"R": Replicate(), "P": Partial()}
+    return tuple(made[n] if n in made else Shard(int(n[1:])) for n in spec.split("|")[1].split(","))
+
+
+def _shape(spec: str, shape: Sequence[int], to_local: bool) -> list[int]:
+    mesh = [int(s) for s in spec.split("|")[0].split("x")]
+    out = list(shape)
+    for size, p in zip(mesh, placements_of(spec)):
+        if isinstance(p, Shard):
+            if to_local and out[p.dim] % size:
+                raise ConstraintError(
+                    f"local_map input placed {spec.split('|')[1]}: dim {p.dim} of a {tuple(shape)} tensor"
+                    f" does not split {size} ways evenly"
+                )
+            out[p.dim] = out[p.dim] // size if to_local else out[p.dim] * size
+    return out
+
+
+def _grad_spec(spec: str) -> str:
+    """The placements of a boundary's gradient as it crosses back: a partial sum's gradient is
+    every rank's whole gradient."""
+    mesh, names = spec.split("|")
+    return mesh + "|" + ",".join("R" if n == "P" else n for n in names.split(","))
+
+
+@torch.library.custom_op("autoplan::region_enter", mutates_args=())
+def region_enter(x: Tensor, region: str, spec: str, grad_spec: str) -> Tensor:
+    """A region's input: the tensor placed as ``spec``, as its local shard (the lowering passes the
+    shard through; here, for a tensor already local, a copy)."""
+    return x.clone()
+
+
+@region_enter.register_fake
+def _(x: Tensor, region: str, spec: str, grad_spec: str) -> Tensor:
+    return x.new_empty(_shape(spec, x.shape, to_local=True))
+
+
+@torch.library.custom_op("autoplan::region_exit", mutates_args=())
+def region_exit(y: Tensor, region: str, spec: str) -> Tensor:
+    """A region's output: a local shard, as the tensor placed as ``spec``."""
+    return y.clone()
+
+
+@region_exit.register_fake
+def _(y: Tensor, region: str, spec: str) -> Tensor:
+    return y.new_empty(_shape(spec, y.shape, to_local=False))
+
+
+def _enter_backward(ctx, grad: Tensor):
+    return region_exit(grad, ctx.region + "'", ctx.grad_spec), None, None, None
+
+
+def _enter_context(ctx, inputs, output) -> None:
+    _, ctx.region, _, ctx.grad_spec = inputs
+
+
+def _exit_backward(ctx, grad: Tensor):
+    spec = _grad_spec(ctx.spec)
+    return region_enter(grad, ctx.region + "'", spec, spec), None, None
+
+
+def _exit_context(ctx, inputs, output) -> None:
+    _, ctx.region, ctx.spec = inputs
+
+
+region_enter.register_autograd(_enter_backward, setup_context=_enter_context)
+region_exit.register_autograd(_exit_backward, setup_context=_exit_context)
+ENTER, EXIT = torch.ops.autoplan.region_enter.default, torch.ops.autoplan.region_exit.default
+
+
+def in_region(node) -> bool:
+    """Whether a traced node is a ``local_map`` region's op: a boundary, or an op of its body
+    (``label``)."""
+    return node.target in (ENTER, EXIT) or REGION_KEY in node.meta
+
+
+def label(gm) -> None:
+    """Mark each op of a region's body with its region (``REGION_KEY`` in its meta): forward ops
+    were made under the region's annotation, backward ops differentiate one of them (the same
+    autograd sequence number)."""
+    by_seq = {}
+    for n in gm.graph.nodes:
+        region = (n.meta.get("custom") or {}).get(REGION_KEY)
+        if region is not None and n.op == "call_function":
+            n.meta[REGION_KEY] = region
+            if "seq_nr" in n.meta:
+                by_seq.setdefault(n.meta["seq_nr"], region)
+    for n in gm.graph.nodes:
+        if REGION_KEY not in n.meta and n.op == "call_function" and n.meta.get("seq_nr") in by_seq:
+            n.meta[REGION_KEY] = by_seq[n.meta["seq_nr"]]
+
+
+def local_map(
+    func: Callable | None = None,
+    out_placements=None,
+    in_placements=None,
+    in_grad_placements=None,
+    device_mesh=None,
+    *,
+    redistribute_inputs: bool = True,
+):
+    """torch's ``local_map`` (same arguments, usable as a decorator), which autoplan plans as a
+    region (see the module's docstring): the planner moves each input to its ``in_placements``,
+    so ``redistribute_inputs`` is ``True`` by default here."""
+    if func is None:
+        return functools.partial(
+            local_map,
+            out_placements=out_placements,
+            in_placements=in_placements,
+            in_grad_placements=in_grad_placements,
+            device_mesh=device_mesh,
+            redistribute_inputs=redistribute_inputs,
+        )
+    eager = torch_local_map(
+        func, out_placements, in_placements, in_grad_placements, device_mesh, redistribute_inputs=redistribute_inputs
+    )
+
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        mesh = _MESH.get()
+        if mesh is None:
+            return eager(*args, **kwargs)
+        return _traced(func, mesh, out_placements, in_placements, in_grad_placements, args, kwargs)
+
+    return run
+
+
+def _traced(func, mesh, out_placements, in_placements, in_grad_placements, args, kwargs):
+    region = getattr(func, "__qualname__", "local_map")
+    flat, spec = tree_flatten(args)
+    if in_placements is None or len(in_placements) != len(flat):
+        raise ConstraintError(
+            f"local_map region {region}: in_placements must give one entry per argument ({len(flat)}), got"
+            f" {in_placements!r}"
+        )
+    grads = in_grad_placements if in_grad_placements is not None else in_placements
+    local = []
+    with fx_traceback.annotate({REGION_KEY: region}):
+        for a, p, g in zip(flat, in_placements, grads):
+            if isinstance(a, Tensor):
+                if p is None:
+                    raise ConstraintError(f"local_map region {region}: a tensor argument has no placements")
+                a = region_enter(a, region, _spec(mesh, p), _spec(mesh, g))
+            local.append(a)
+        out = func(*tree_unflatten(local, spec), **kwargs)
+        flat_out, out_spec = tree_flatten(out)
+        placed = out_placements if isinstance(out_placements, tuple) and len(flat_out) > 1 else (out_placements,)
+        if len(placed) != len(flat_out):
+            raise ConstraintError(
+                f"local_map region {region}: out_placements must give one entry per output ({len(flat_out)})"
+            )
+        made = [
+            region_exit(o, region, _spec(mesh, p)) if isinstance(o, Tensor) else o for o, p in zip(flat_out, placed)
+        ]
+    return tree_unflatten(made, out_spec)
