@@ -41,13 +41,13 @@ def _placements(spec: str, ndim: int, what: str) -> tuple:
 def _workload(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple:
     """The model, its input function and default I/O placements (batch split over the first mesh dim
     for the named LLaMA models, none for a user factory)."""
-    from autoplan.bench.workloads import llama_batch, llama_model, load_factory
+    from autoplan.bench.workloads import load_factory, model_batch, named_model
 
     if ":" in args.model:
         model, input_fn = load_factory(args.model)
         return model, input_fn, None
-    model, cfg = llama_model(args.model, getattr(torch, args.dtype), args.layers)
-    batch, seq = llama_batch(cfg, args.batch, args.seq, shape[0])
+    model, cfg = named_model(args.model, getattr(torch, args.dtype), args.layers, len(shape))
+    batch, seq = model_batch(cfg, args.batch, args.seq, shape[0])
     return model, lambda: torch.randint(0, cfg.vocab_size, (batch, seq)), "S(0)" + "R" * (len(shape) - 1)
 
 
@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", parents=[common], help="plan a model on a mesh (any size: a fake process group)")
-    p.add_argument("--model", default="llama3-8b", help="llama3-{debug,8b,70b} or module:factory")
+    p.add_argument(
+        "--model",
+        default="llama3-8b",
+        help="llama3-{debug,8b,70b}, deepseek-v3-{16b,671b}, qwen3-30b-a3b, moe-debug or module:factory",
+    )
     p.add_argument("--mesh", default="16x8", help="mesh shape, e.g. 128 or 16x8")
     p.add_argument("--layers", type=int, default=None, help="override a named model's number of layers")
     p.add_argument("--batch", type=int, default=None, help="global batch of a named model (default max(32, dp))")

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from autoplan import AutoParallel
 from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.bench.workloads import fake_mesh, llama_batch, parse_mesh
+from autoplan.bench.workloads import fake_mesh, model_batch, parse_mesh
 from autoplan.cost.devices import DEVICE_PROFILES
 from autoplan.errors import AutoplanError
 from solvers import InfeasibleError, SolverTimeoutError
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = parse_mesh(args.mesh)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    args.batch, args.seq_len = llama_batch(cfg, args.batch, args.seq_len, shape[0])
+    args.batch, args.seq_len = model_batch(cfg, args.batch, args.seq_len, shape[0])
     if args.batch % shape[0]:
         raise SystemExit(f"--batch {args.batch} does not split over the first mesh dim ({shape[0]})")
     if "TORCHELASTIC_RUN_ID" in os.environ:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel, Plan
 from autoplan.bench import run_memory
-from autoplan.bench.workloads import llama_model
+from autoplan.bench.workloads import named_model
 from autoplan.errors import InfeasiblePlanError
 from solvers import InfeasibleError
 
@@ -119,7 +119,7 @@ def test_a_capped_llama_plan_with_recompute_options_is_within_its_cap():
     """LLaMA-3 debug on 2x2 under a cap 20% below the free plan's peak: the solve with recompute
     options (seeded by the trials without them, or with the fewest layers recomputing) meets it,
     and so do the boundary layers' re-solves it keeps."""
-    model, cfg = llama_model("llama3-debug", torch.float32)
+    model, cfg = named_model("llama3-debug", torch.float32)
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
         ap.add_input_constraints([IO])
         ap.add_output_constraints([IO])
@@ -195,7 +195,7 @@ def test_a_recompute_row_bounds_the_peak_of_the_chain_its_step_triggers():
     from autoplan.cost import memory
     from autoplan.trace import recompute
 
-    model, cfg = llama_model("llama3-debug", torch.float32)
+    model, cfg = named_model("llama3-debug", torch.float32)
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
         tg = ap._require_traced()
     tagged = frozenset().union(*(recompute.tagged(ops, "full") for ops in recompute.layers(tg.gm.graph).values()))
@@ -228,7 +228,7 @@ def test_the_outputs_gradients_live_to_the_end_of_the_backward():
     gradient: the step's peak (``test_estimated_peak_is_within_15_percent_of_measured``)."""
     from autoplan.cost import memory
 
-    model, cfg = llama_model("llama3-debug", torch.float32)
+    model, cfg = named_model("llama3-debug", torch.float32)
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
         ap.add_input_constraints([IO])
         ap.add_output_constraints([IO])
@@ -257,7 +257,7 @@ def test_peak_rows_count_exactly_what_the_walk_does():
     its output (the moves' buffers are freed by then): a row bounds the moment the walk found."""
     from autoplan.cost import memory
 
-    model, cfg = llama_model("llama3-debug", torch.float32)
+    model, cfg = named_model("llama3-debug", torch.float32)
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
         ap.add_input_constraints([IO])
         ap.add_output_constraints([IO])

@@ -30,7 +30,7 @@ import torch
 
 from autoplan.adapters.inductor import profile_cpp_kernels
 from autoplan.bench.collective_free import collective_free_executor
-from autoplan.bench.workloads import fake_mesh, llama_batch, llama_config, llama_model, parse_mesh
+from autoplan.bench.workloads import fake_mesh, model_batch, model_config, named_model, parse_mesh
 
 
 def _peak_rss_gib() -> float:
@@ -45,8 +45,8 @@ def _planned(args: argparse.Namespace):
 
     shape = parse_mesh(args.mesh)
     mesh = fake_mesh(shape, getattr(args, "device", "cpu"))
-    model, cfg = llama_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))
-    batch, seq = llama_batch(cfg, args.batch, args.seq, shape[0])
+    model, cfg = named_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None), len(shape))
+    batch, seq = model_batch(cfg, args.batch, args.seq, shape[0])
     vocab = cfg.vocab_size
     ap = AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)))
     with ap:
@@ -265,13 +265,13 @@ def _programs(args: argparse.Namespace, keep_plan: bool = False) -> tuple[list[_
     torch.manual_seed(0)
     pmod.to_empty(device=device)
     pmod.init_weights()
-    cfg = llama_config(args.model, args.layers)
+    cfg = model_config(args.model, args.layers)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
     if args.compile and device == "cpu":
         profile_cpp_kernels()
     programs = [_Program("planned", pmod, pmod, tokens, args.compile)]
     if not args.planned_only:
-        model, _ = llama_model(args.model, dtype, args.layers)
+        model, _ = named_model(args.model, dtype, args.layers)
         model.to_empty(device=device)
         model.init_weights()
         plain_run = torch.compile(model) if args.compile else model
@@ -335,7 +335,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
             prog.cpu_times.append(cpu)
     result: dict = {
         "model": args.model,
-        "layers": llama_config(args.model, args.layers).n_layers,
+        "layers": model_config(args.model, args.layers).n_layers,
         "device": args.device,
         "dtype": args.dtype,
         "compile": args.compile,
@@ -424,7 +424,7 @@ def run_memory(args: argparse.Namespace) -> dict:
     estimated = m.peak_bytes - m.optimizer_bytes
     result = {
         "model": args.model,
-        "layers": llama_config(args.model, args.layers).n_layers,
+        "layers": model_config(args.model, args.layers).n_layers,
         "recompute": plan.recompute,
         "cap_gib": getattr(args, "cap", None),
         "device": args.device,
@@ -457,8 +457,8 @@ def run_compare(args: argparse.Namespace) -> dict:
     from autoplan.bench.handplans import compare_plans
 
     shape = parse_mesh(args.mesh)
-    model, cfg = llama_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None))
-    batch, seq = llama_batch(cfg, args.batch, args.seq, shape[0])
+    model, cfg = named_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None), len(shape))
+    batch, seq = model_batch(cfg, args.batch, args.seq, shape[0])
     vocab = cfg.vocab_size
     ap = AutoParallel(
         model, fake_mesh(shape), lambda: torch.randint(0, vocab, (batch, seq)), device_profile=args.device_profile
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:  # a bad model, mesh or layer count: say so up front, not in a traceback
         parse_mesh(args.mesh)
-        llama_config(args.model, getattr(args, "layers", None))
+        model_config(args.model, getattr(args, "layers", None))
     except ValueError as e:
         raise SystemExit(f"autoplan.bench: {e}") from None
     result = runners[args.cmd](args)

@@ -48,30 +48,40 @@ def fake_mesh(shape: tuple[int, ...], device_type: str = "cpu"):
     return DeviceMesh(device_type, torch.arange(size).reshape(shape), mesh_dim_names=names)  # a larger world
 
 
-def llama_config(name: str, layers: int | None = None):
-    """The LLaMA-3 config called ``llama3-<size>``, optionally with another number of layers."""
+def model_config(name: str, layers: int | None = None, mesh_ndim: int = 2):
+    """The config of a named model, optionally with another number of layers: ``llama3-<size>``
+    (``autoplan.bench.models.llama3``) or a mixture of experts (``autoplan.bench.models.moe``:
+    ``deepseek-v3-16b``, ``qwen3-30b-a3b``, ``deepseek-v3-671b``, ``moe-debug``), whose routing
+    regions are declared for a mesh of ``mesh_ndim`` dims."""
     from autoplan.bench.models.llama3 import LLAMA3_CONFIGS
+    from autoplan.bench.models.moe import MODEL_NAMES, MOE_CONFIGS
 
+    moe = {full: size for size, full in MODEL_NAMES.items()}
     family, _, size = name.partition("-")
-    if family != "llama3" or size not in LLAMA3_CONFIGS:
-        raise ValueError(f"unknown model {name!r}; choose from " + ", ".join(f"llama3-{k}" for k in LLAMA3_CONFIGS))
+    if name in moe:
+        cfg = dataclasses.replace(MOE_CONFIGS[moe[name]], mesh_ndim=mesh_ndim)
+    elif family == "llama3" and size in LLAMA3_CONFIGS:
+        cfg = LLAMA3_CONFIGS[size]
+    else:
+        known = [f"llama3-{k}" for k in LLAMA3_CONFIGS] + list(moe)
+        raise ValueError(f"unknown model {name!r}; choose from " + ", ".join(known))
     if layers is not None and layers < 1:
         raise ValueError(f"the number of layers must be at least 1, got {layers}")
-    cfg = LLAMA3_CONFIGS[size]
     return cfg if layers is None else dataclasses.replace(cfg, n_layers=layers)
 
 
-def llama_model(name: str, dtype: torch.dtype, layers: int | None = None):
-    """A LLaMA-3 model on the meta device (no memory) and its config."""
+def named_model(name: str, dtype: torch.dtype, layers: int | None = None, mesh_ndim: int = 2):
+    """A named model (``model_config``) on the meta device (no memory) and its config."""
     from autoplan.bench.models.llama3 import Transformer
+    from autoplan.bench.models.moe import MoEConfig, MoETransformer
 
-    cfg = llama_config(name, layers)
+    cfg = model_config(name, layers, mesh_ndim)
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
+        model = (MoETransformer if isinstance(cfg, MoEConfig) else Transformer)(cfg).to(dtype)
     return model, cfg
 
 
-def llama_batch(cfg, batch: int | None, seq: int | None, dp: int) -> tuple[int, int]:
+def model_batch(cfg, batch: int | None, seq: int | None, dp: int) -> tuple[int, int]:
     """Global batch and sequence length of a LLaMA workload: by default ``max(32, dp)`` sequences
     (the batch must split over the first mesh dim) of ``min(8192, the model's max)`` tokens."""
     return batch or max(32, dp), seq or min(8192, cfg.max_seq_len)
