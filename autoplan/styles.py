@@ -1,12 +1,16 @@
 """A plan in the words of a hand-written ``parallelize_module`` plan, as torchtitan's ``parallelize_llama``
 writes one: per module and mesh dim, ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
-``FSDP`` (``fully_shard``), ``DDP`` (``replicate``) or ``Replicate``, wherever the module's placements
-are what that style does, so a plan reads next to a hand-written one at a glance.
+``ExpertParallel``, ``FSDP`` (``fully_shard``), ``DDP`` (``replicate``) or ``Replicate``, wherever the
+module's placements are what that style does, so a plan reads next to a hand-written one at a glance.
 
 A style is read from what the plan does with a module's weight, not from how it is stored alone: stored
 sharded and read sharded the same way by its matmul, the weight is tensor parallel (colwise when the
 output features are split, rowwise when the input features are); stored sharded but gathered for a
-matmul whose tokens are split on that mesh dim, it is FSDP. Anything else is shown as placements.
+matmul whose tokens are split on that mesh dim, it is FSDP. A mixture of experts' module, whose
+experts' weights ``[experts, in, out]`` are read by batched matmuls over per-expert buffers
+``[experts, slots, features]``, is expert parallel where they are split over the experts (each rank
+runs its own experts on the tokens routed to them), and colwise or rowwise where each expert is
+split. Anything else is shown as placements.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ if TYPE_CHECKING:
 COLWISE = "ColwiseParallel"
 ROWWISE = "RowwiseParallel"
 SEQUENCE = "SequenceParallel"
+EXPERT = "ExpertParallel"
 FSDP = "FSDP"
 DDP = "DDP"
 REPLICATE = "Replicate"
-STYLES = (COLWISE, ROWWISE, SEQUENCE, FSDP, DDP, REPLICATE)
+STYLES = (COLWISE, ROWWISE, SEQUENCE, EXPERT, FSDP, DDP, REPLICATE)
 
 _MATMULS = ("aten.mm.default", "aten.addmm.default")  # nn.Linear's forward: ``(addmm|mm)(..., x, t(w))``
 _EMBEDDING = "aten.embedding.default"  # ``embedding(w, indices)``
+_BMM = "aten.bmm.default"  # experts: ``bmm(buffer [E, slots, in], w [E, in, out])``
 _TRANSPOSE = "aten.t.default"
 
 
@@ -39,14 +45,15 @@ class WeightUse:
     op reads it (in the weight's own dims) and as the op's activations are split.
 
     ``op`` is ``"matmul"`` (activations [tokens, in features]), ``"embedding"`` (activations: the
-    indices) or ``""`` for any other module (a norm: the activations are what its ops output, laid out
-    [batch, sequence, ...] as in a transformer, and the weight is read as they require)."""
+    indices), ``"experts"`` (activations [experts, slots, in features]) or ``""`` for any other
+    module (a norm: the activations are what its ops output, laid out [batch, sequence, ...] as in a
+    transformer, and the weight is read as they require)."""
 
     op: str
     stored: Placements
     read: Placements | None = None  # None: no single op reads it (an elementwise module, or several ops)
     data: Placements | None = None  # None: the module's ops disagree
-    out_dim: int = 0  # the weight's dim of output features: 0 for nn.Linear ([out, in]), 1 for embeddings
+    out_dim: int = 0  # the weight's output features: 0 for nn.Linear ([out, in]), 1 for embeddings, 2 for experts
 
 
 def style(use: WeightUse, mesh_dim: int) -> str:
@@ -57,8 +64,11 @@ def style(use: WeightUse, mesh_dim: int) -> str:
     data = None if use.data is None else use.data[mesh_dim]
     if use.op and read is not None:
         if isinstance(read, Shard) and read == stored:
+            if use.op == "experts" and read.dim == 0:
+                return EXPERT
             return COLWISE if read.dim == use.out_dim else ROWWISE
-        tokens_split = isinstance(data, Shard) and (data.dim == 0 or use.op == "embedding")
+        token_dim = 1 if use.op == "experts" else 0  # the slots of an expert's buffer are tokens
+        tokens_split = isinstance(data, Shard) and (data.dim == token_dim or use.op == "embedding")
         if read == Replicate() and tokens_split:
             return FSDP if isinstance(stored, Shard) else DDP
         if read == stored == data == Replicate():
@@ -75,8 +85,9 @@ def style(use: WeightUse, mesh_dim: int) -> str:
 
 
 def weight_uses(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dict[str, WeightUse]:
-    """Module FQN -> how its forward uses its ``weight`` (or its only parameter); modules of several
-    parameters and none named ``weight``, and the root module's own parameters, are left out."""
+    """Module FQN -> how its forward uses its ``weight`` (or its only parameter, or the first of a
+    mixture of experts' expert weights); other modules of several parameters and none named
+    ``weight``, and the root module's own parameters, are left out."""
     by_module: dict[str, list[str]] = {}
     for fqn in params:
         module, _, _ = fqn.rpartition(".")
@@ -88,7 +99,8 @@ def weight_uses(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dic
             forward[node.module].append(node)
     uses = {}
     for module, fqns in by_module.items():
-        weight = f"{module}.weight" if f"{module}.weight" in fqns else fqns[0] if len(fqns) == 1 else None
+        experts = any(n.op == _BMM for n in forward[module])
+        weight = f"{module}.weight" if f"{module}.weight" in fqns else fqns[0] if len(fqns) == 1 or experts else None
         if weight is not None:
             uses[module] = _use(params[weight], forward[module])
     return uses
@@ -110,6 +122,10 @@ def _use(stored: Placements, forward: list[NodePlan]) -> WeightUse:
         (_transpose(n.inputs[-1]) if transposed else n.inputs[-1], n.inputs[-2]) for n in forward if n.op in _MATMULS
     }
     lookups = {(n.inputs[0], n.inputs[1]) for n in forward if n.op == _EMBEDDING}
+    experts = {(n.inputs[1], n.inputs[0]) for n in forward if n.op == _BMM}
+    if experts:
+        (read, data), *others = experts
+        return WeightUse("experts", stored, None if others else read, None if others else data, 2)
     if matmuls or lookups:
         (read, data), *others = matmuls | lookups
         unique = not others

@@ -15,6 +15,7 @@ from autoplan.plan import NodePlan
 from autoplan.styles import (
     COLWISE,
     DDP,
+    EXPERT,
     FSDP,
     REPLICATE,
     ROWWISE,
@@ -25,7 +26,7 @@ from autoplan.styles import (
 )
 from autoplan.trace.tracing import PATH_KEY, PHASE_KEY
 
-R, S0, S1 = Replicate(), Shard(0), Shard(1)
+R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
 CFG = LLAMA3_CONFIGS["debug"]
 # How torch's ColwiseParallel and RowwiseParallel shard an nn.Linear weight ([out, in]) on their mesh dim
 TORCH_TP = {S0: COLWISE, S1: ROWWISE}
@@ -142,6 +143,12 @@ def test_styles_come_back_from_json(plan):
         (WeightUse("", (R,), data=(R,)), REPLICATE),
         (WeightUse("", (S0,), data=(S1,)), "w S(0), x S(1)"),
         (WeightUse("", (R,)), "w R"),
+        # a mixture of experts' weights [experts, in, out] against buffers [experts, slots, in]
+        (WeightUse("experts", (S0,), (S0,), (S0,), out_dim=2), EXPERT),
+        (WeightUse("experts", (S2,), (S2,), (R,), out_dim=2), COLWISE),
+        (WeightUse("experts", (S1,), (S1,), (S2,), out_dim=2), ROWWISE),
+        (WeightUse("experts", (S0,), (R,), (S1,), out_dim=2), FSDP),
+        (WeightUse("experts", (S0,), (R,), (S0,), out_dim=2), "w S(0)->R, x S(0)"),
     ],
 )
 def test_style_of_one_mesh_dim(use, expected):
@@ -177,3 +184,25 @@ def test_a_linear_is_read_through_its_transpose():
         "proj": (FSDP, COLWISE),
         "norm": (DDP, SEQUENCE),
     }
+
+
+def test_an_expert_parallel_plan_reads_as_expert_parallel():
+    """The in-repo MoE decoder with its experts' matmuls pinned split over the experts on dp: its
+    MoE modules read ExpertParallel on dp (replicated on tp), in the summary's table too; left to
+    the costs on this tiny model, they are not expert parallel."""
+    from autoplan.bench.models.moe import MOE_CONFIGS, MoETransformer
+
+    cfg = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2)
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, cfg.vocab_size, (4, 16))) as ap:
+        ap.add_input_constraints([(S0, R)])
+        ap.add_output_constraints([(S0, R)])
+        free = ap.optimize_placement().styles()["layers.*.feed_forward"]
+        ap.add_node_constraint("layers.*.feed_forward.w[123]", (S0, R))
+        ap.add_node_constraint("bmm*", (S0, R))
+        plan = ap.optimize_placement()
+    assert EXPERT not in free
+    assert plan.styles()["layers.*.feed_forward"] == (EXPERT, REPLICATE)
+    assert "ExpertParallel" in plan.summary()
