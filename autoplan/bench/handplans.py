@@ -8,6 +8,15 @@ parameter and module names), so the ILP's plan can be priced against them under 
   and output, row-wise wo/w2 and the embedding), the others FSDP. Where the norms run (sequence
   parallel or replicated) is left to the ILP: a norm's output is not a pinnable module output here.
 
+A mixture of experts (``autoplan.bench.models.moe``: expert weights ``feed_forward.w1/w2/w3`` of
+``[experts, in, out]``, run as batched matmuls) gets its experts pinned too, and two plans more:
+
+- ``fsdp+ep``: torchtitan's default for MoEs: the experts split over the first mesh dim (expert
+  parallel: their matmuls run split on the experts there) and stored split on dim 1 over the others;
+  every other parameter FSDP.
+- ``ep+tp``: the experts split over the first mesh dim and inside each expert over the last one
+  (w1/w3 column-wise, w2 row-wise); every other parameter FSDP over all but the last dim.
+
 Pins fix what the hand plan fixes: the parameters' placements and, for tensor parallelism, the
 layouts of its column-wise outputs. Every other value is left to the ILP, which can only help
 the hand plan.
@@ -30,24 +39,51 @@ R = Replicate()
 COLUMNWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROWWISE = ("attention.wo", "feed_forward.w2")
 EVERY_PARAMETER = "*.weight"  # node names hold no dot: this glob matches parameter FQNs only
+EXPERTS = "layers.*.feed_forward.w[123]"  # a mixture of experts' weights, [experts, in, out]
+# the first MoE layer's expert matmuls (w1, w3, w2): pinning one layer's node pins its copies
+EXPERT_MATMULS = ("bmm", "bmm_1", "bmm_2")
 
 
-def hand_plans(ndim: int) -> tuple[str, ...]:
-    """The hand plans a mesh of ``ndim`` dims can express (HSDP and TP need a second dim)."""
-    return ("ddp", "fsdp") if ndim == 1 else ("ddp", "fsdp", "hsdp", "fsdp+tp")
+def hand_plans(ndim: int, moe: bool = False) -> tuple[str, ...]:
+    """The hand plans a mesh of ``ndim`` dims can express (HSDP and TP need a second dim), with the
+    expert-parallel ones for a mixture of experts."""
+    plans = ("ddp", "fsdp") if ndim == 1 else ("ddp", "fsdp", "hsdp", "fsdp+tp")
+    if moe:
+        plans += ("fsdp+ep",) if ndim == 1 else ("fsdp+ep", "ep+tp")
+    return plans
 
 
-def hand_plan_pins(name: str, ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
+def hand_plan_pins(name: str, ndim: int, moe: bool = False) -> list[tuple[str, tuple[Placement, ...]]]:
     """(parameter FQN or module glob, placements) pins of the hand plan ``name`` on an ``ndim``-D mesh."""
-    if name not in hand_plans(ndim):
-        raise ValueError(f"no hand plan {name!r} on a {ndim}-D mesh: use one of {', '.join(hand_plans(ndim))}")
+    if name not in hand_plans(ndim, moe):
+        raise ValueError(f"no hand plan {name!r} on a {ndim}-D mesh: use one of {', '.join(hand_plans(ndim, moe))}")
+    if name in ("fsdp+ep", "ep+tp"):
+        return _expert_parallel(ndim, tp=name == "ep+tp")
     if name == "ddp":
-        return [(EVERY_PARAMETER, (R,) * ndim)]
-    if name == "fsdp":
-        return [(EVERY_PARAMETER, (Shard(0),) * ndim)]
-    if name == "hsdp":
-        return [(EVERY_PARAMETER, (R,) * (ndim - 1) + (Shard(0),))]
-    return _fsdp_tp(ndim)
+        pins = [(EVERY_PARAMETER, (R,) * ndim)]
+    elif name == "fsdp":
+        pins = [(EVERY_PARAMETER, (Shard(0),) * ndim)]
+    elif name == "hsdp":
+        pins = [(EVERY_PARAMETER, (R,) * (ndim - 1) + (Shard(0),))]
+    else:
+        return _fsdp_tp(ndim)
+    return pins + [(EXPERTS, pins[0][1])] if moe else pins
+
+
+def _expert_parallel(ndim: int, tp: bool) -> list[tuple[str, tuple[Placement, ...]]]:
+    """The experts split over the first mesh dim, their matmuls too; with ``tp`` split inside each
+    expert over the last dim, else stored split on dim 1 over the others. Every other parameter FSDP
+    (over all but the last dim with ``tp``)."""
+    rest = ndim - 1 - tp
+    ep = (Shard(0),) + (Shard(1),) * rest
+    if not tp:
+        pins = [(EVERY_PARAMETER, (Shard(0),) * ndim), (EXPERTS, ep)]
+        return pins + [(m, (Shard(0),) + (R,) * (ndim - 1)) for m in EXPERT_MATMULS]
+    pins = [(EVERY_PARAMETER, (Shard(0),) * (ndim - 1) + (R,))]
+    pins += [(f"layers.*.feed_forward.{w}", ep + (Shard(2),)) for w in ("w1", "w3")]
+    pins += [("layers.*.feed_forward.w2", ep + (Shard(1),))]
+    matmul_ep = (Shard(0),) + (R,) * rest
+    return pins + [(m, matmul_ep + (Shard(2),)) for m in EXPERT_MATMULS[:2]]
 
 
 def _fsdp_tp(ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
@@ -99,11 +135,12 @@ def compare_plans(ap, ndim: int) -> list[dict]:
     is never worse than one."""
     rows, plans = [], {}
     params = {fqn: n.meta["val"] for fqn, n in ap.traced.placeholder_for("param").items()}
-    for name in hand_plans(ndim):
+    moe = any(fnmatch.fnmatchcase(fqn, EXPERTS) and params[fqn].dim() == 3 for fqn in params)
+    for name in hand_plans(ndim, moe):
         added = []
         t0 = time.perf_counter()
         try:
-            for target, placements in fit_to_shapes(hand_plan_pins(name, ndim), params, tuple(ap.mesh.shape)):
+            for target, placements in fit_to_shapes(hand_plan_pins(name, ndim, moe), params, tuple(ap.mesh.shape)):
                 ap.add_node_constraint(target, placements)
                 added.append(target)
             plans[name] = ap.optimize_placement()
