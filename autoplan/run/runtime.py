@@ -8,6 +8,7 @@ module keeps the original class (so ``init_weights`` and friends still work) and
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -174,9 +175,10 @@ def _non_persistent(module: nn.Module) -> list[str]:
 
 
 def _written(t: torch.Tensor) -> tuple:
-    """Which tensor holds a buffer's values, and what it holds (``write_state``)."""
+    """Which tensor holds a buffer's values (a weak reference: an id could be reused by a tensor
+    that replaced it), and what it holds (``write_state``)."""
     local = local_tensor(t) if isinstance(t, DTensor) else t
-    return id(local), write_state(local)
+    return weakref.ref(local), write_state(local)
 
 
 def _check_filled(module: nn.Module, state: _State) -> None:
@@ -186,7 +188,7 @@ def _check_filled(module: nn.Module, state: _State) -> None:
     stale = []
     for fqn, (held_by, seen) in state.unfilled.items():
         now_by, now = _written(module.get_buffer(fqn))
-        if now_by == held_by and same_state(now, seen):
+        if now_by() is held_by() and same_state(now, seen):
             stale.append(fqn)
     if stale:
         raise ConstraintError(
