@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autoplan.bench.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, rope_tables
+from autoplan.bench.models.llama3 import FeedForward, LlamaConfig, RMSNorm, TransformerBlock, rope_tables
 from autoplan.trace.regions import local_map
 
 
@@ -148,25 +148,13 @@ class MoE(nn.Module):
             self.shared.init_weights(std)
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(TransformerBlock):
+    """LLaMA-3's block whose feed-forward, past the first ``n_dense_layers``, is a mixture of experts."""
+
     def __init__(self, cfg: MoEConfig, layer_id: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.moe = layer_id >= cfg.n_dense_layers
-        self.feed_forward = MoE(cfg) if self.moe else FeedForward(cfg)
-        self.init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.init_weights()
-        self.ffn_norm.init_weights()
-        self.attention.init_weights(self.init_std)
-        self.feed_forward.init_weights(self.init_std)
+        super().__init__(cfg, layer_id)
+        if layer_id >= cfg.n_dense_layers:
+            self.feed_forward = MoE(cfg)
 
 
 class MoETransformer(nn.Module):
