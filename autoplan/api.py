@@ -142,6 +142,9 @@ class AutoParallel:
     ``device_profile`` is the target accelerator the costs describe, by name (``"h100"``,
     ``"h200"``, ``"a100"``, ``"b200"``, ``"mi300x"``, ``"cpu"``) or as a ``DeviceProfile``; its
     ``gpus_per_node`` and the mesh's ranks decide which mesh dims stay inside a node.
+    ``expert_imbalance``: how unevenly routing loads the experts, as the busiest expert-parallel
+    rank's tokens over the mean (token counts depend on the data); a grouped matmul split over its
+    experts is priced at that rank's work. 1, the default, prices the balanced case.
     ``mip_rel_gap``: how far from the optimum a plan may be, as a fraction of the solver's bound,
     when the solver stops (``plan.solver["gap"]`` says where it stopped). The default 1% is far
     below the cost model's own error; proving the last fraction of a percent can take minutes,
@@ -164,6 +167,7 @@ class AutoParallel:
         mip_rel_gap: float = DEFAULT_GAP,
         attention: str = "auto",
         optimizer: memory.OptimizerSpec = memory.ADAMW,
+        expert_imbalance: float = 1.0,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -179,6 +183,11 @@ class AutoParallel:
         self.merge_followers = merge_followers
         if not 0.0 <= mip_rel_gap < 1.0:
             raise ConstraintError(f"mip_rel_gap={mip_rel_gap!r} must be a fraction in [0, 1), e.g. 0.01 for 1%")
+        if not expert_imbalance >= 1.0:
+            raise ConstraintError(
+                f"expert_imbalance={expert_imbalance!r}: the busiest expert-parallel rank's tokens over the mean, >= 1"
+            )
+        self.expert_imbalance = float(expert_imbalance)
         self.solve_options = SolveOptions(backend=solver_backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
         self._inputs: dict[int, tuple[str, Placements]] = {}  # graph input -> (how the user named it, placements)
         self._outputs: dict[int, Placements] = {}
@@ -487,7 +496,7 @@ class AutoParallel:
         t0 = time.perf_counter()
         with collector_paused():  # the passes and lowering build graphs as large as the trace
             if remove_round_trips:
-                cost_model = CostModel(self.mesh, self.device_profile)
+                cost_model = CostModel(self.mesh, self.device_profile, self.expert_imbalance)
                 tg, applied, trips = alias_roundtrip.remove_round_trips(tg, plan, cost_model, self._output_placements())
             else:
                 applied, trips = plan, RoundTripStats(0, 0)
@@ -534,6 +543,7 @@ class AutoParallel:
             "optimizer": self.optimizer,
             "solve_options": self.solve_options,
             "merge_followers": self.merge_followers,
+            "expert_imbalance": self.expert_imbalance,
         }
         key = tuple(settings.values())
         if self._planner_for != key:

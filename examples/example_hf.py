@@ -59,7 +59,26 @@ FAMILIES = {
     "bloom": dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
     "gptj": dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64),
     "mixtral": _DECODER | dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": _DECODER | dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "deepseek_v3": _DECODER  # MLA attention (a narrower value head), a shared expert, a dense first layer
+    | dict(
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+    ),
+    "gpt_oss": _DECODER | dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 # how a family's model is built, where not by its defaults (Mixtral's default experts kernel, the
 # grouped matmul, traces in fp32 through autoplan's; its "eager" one routes tokens with nonzero)

@@ -293,6 +293,33 @@ class LocalRegionMLP(nn.Module):
         return self.fc2(middle(self.fc1(x), self.scale))
 
 
+class DataDependentMLP(nn.Module):
+    """An MLP whose middle, an untraced ``autoplan.local_map`` region, transforms only the rows
+    with a positive sum (nonzero and boolean indexing: shapes that depend on the data) and passes
+    the others through, on rows split over the mesh's first dim."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.mix = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        from autoplan import local_map
+
+        rows, whole = (Shard(0), Replicate()), (Replicate(), Replicate())
+        grads = (rows, (Partial(), Replicate()))
+
+        @local_map(out_placements=rows, in_placements=(rows, whole), in_grad_placements=grads, traced=False)
+        def middle(h, mix):
+            chosen = (h.sum(-1) > 0).nonzero().squeeze(-1)
+            picked = h[h.sum(-1) > 0]
+            return h.index_put((chosen,), torch.tanh(picked @ mix))
+
+        return self.fc2(middle(self.fc1(x), self.mix))
+
+
 class CapacityMoE(nn.Module):
     """A top-k mixture of experts whose routing runs in ``autoplan.local_map`` regions, as expert
     parallel code routes: each rank sends its own tokens into per-expert capacity buffers

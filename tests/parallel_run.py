@@ -67,6 +67,10 @@ def make(name: str, batch_rows: int = 4):
         return (lambda: MoETransformer(cfg)), (
             lambda g: torch.randint(0, cfg.vocab_size, (batch_rows, 16), generator=g)
         )
+    if name == "data_dependent":
+        from models import DataDependentMLP
+
+        return DataDependentMLP, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
     if name == "capacity_moe":
         from models import CapacityMoE
 

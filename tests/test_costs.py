@@ -595,3 +595,4 @@ def test_grouped_mm_flops_count_the_routed_rows(layout):
         expected = sum(2 * m * k * g for g in sizes)
     out = torch._grouped_mm(a, b, offs)  # the layout is one the kernel runs
     assert node_flops(aten._grouped_mm.default, (a, b, offs), {}, out) == expected
+    assert node_flops(torch.ops.autoplan.grouped_mm.default, (a, b, offs), {}, out) == expected  # fp32's

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import fake_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel, TracingError
 
@@ -87,3 +87,43 @@ def test_family_table(capsys, monkeypatch):
     assert re.search(r"^llama\s+8\s+pass\s.* ms$", out, re.M)
     assert re.search(r"^mixtral\s+8\s+FAIL\s.*TracingError: tracing failed in aten\.nonzero", out, re.M)
     assert "1 of 2 plans made" in out
+
+
+@pytest.mark.parametrize("family", example_hf.MOE)
+def test_moe_families_plan_on_1d_and_2d_meshes(family):
+    """Mixtral, Qwen3-MoE, DeepSeek-V3 (MLA, a shared expert, a dense first layer) and gpt-oss with
+    their default experts kernel, in fp32, plan on (8,) and (2, 4) with parameters split over every
+    rank (their numerics: ``test_family_matches_single_device``)."""
+    for shape in [(8,), (2, 4)]:
+        planned, said = example_hf.plan_family(family, shape)
+        assert planned, (family, shape, said)
+
+
+def _wide_qwen3_moe():
+    """One Qwen3-MoE layer at DeepSeek-like proportions: 64 experts of 1024 x 2048, top-4."""
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=1024, hidden_size=1024, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=8, head_dim=128, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=2048,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+def test_wide_experts_are_split_not_gathered():
+    """Many wide experts, 8 x 512 tokens, an 8-way mesh and parameters split over it: every expert
+    matmul reads a split expert weight (over the experts or inside each), and the plan beats the
+    one that gathers the experts (FSDP's) by the estimate."""
+    mesh = fake_mesh((8,))
+    with AutoParallel(_wide_qwen3_moe(), mesh, lambda: torch.randint(0, 1024, (8, 512))) as ap:
+        ap.add_input_constraints([(Shard(0),)])
+        ap.add_output_constraints([(Shard(0),)])
+        ap.add_memory_constraint(param_fraction=1 / 8)
+        plan = ap.optimize_placement()
+        grouped = [n for n in plan.nodes.values() if n.op == "aten._grouped_mm.default"]
+        forward = [n for n in grouped if n.phase == "forward"]
+        assert len(forward) == 2 and all(n.inputs[1] != (Replicate(),) for n in forward)
+        for n in forward:  # gathered experts: each rank multiplies every expert's whole weight
+            ap.add_node_constraint(n.name, (Replicate(),))
+        fsdp = ap.optimize_placement()
+    assert all(fsdp.nodes[n.name].inputs[1] == (Replicate(),) for n in forward)
+    assert plan.cost.total < fsdp.cost.total

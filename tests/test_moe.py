@@ -6,12 +6,12 @@ import torch
 from conftest import fake_mesh
 from parallel_run import check_run, graph_report, one_value, parallel_run, plan_and_apply, reference_run
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoplan import AutoParallel
-from autoplan.trace.grouped_mm import grouped_mm
+from autoplan import AutoParallel, ConstraintError
+from autoplan.trace.grouped_mm import expert_block, grouped_mm
 
-S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
+S0, S1, S2, R, P = Shard(0), Shard(1), Shard(2), Replicate(), Partial()
 # experts stored split over dp on the expert dim (FSDP) and over tp inside each expert (TP)
 EXPERT_TP = [("w[13]", (S0, S2)), ("w2", (S0, S1)), ("*weight", (S0, S0))]
 
@@ -36,6 +36,44 @@ def test_grouped_mm_in_any_dtype_is_atens_product_and_differentiates(name):
     assert torch.equal(ours.to(torch.bfloat16), torch._grouped_mm(a, b, offs))
     a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
     assert torch.autograd.gradcheck(lambda x, y: grouped_mm(x, y, offs), (a64, b64))
+
+
+@pytest.mark.parametrize("ways", [2, 4, 8])
+def test_expert_blocks_make_the_whole_product(ways):
+    """Each rank's block of experts (rows routed to them, a data-dependent run of the sorted tokens,
+    some groups empty): the forward's blocks sum to the whole product, the weight gradient's
+    blocks stack to the whole gradient, exactly."""
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([3, 0, 9, 4, 7, 0, 11, 6]).cumsum(0).to(torch.int32)
+    x, w = torch.randn(40, 6, generator=g, dtype=torch.float64), torch.randn(8, 6, 5, generator=g, dtype=torch.float64)
+    dy = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    n = 8 // ways
+    blocks = [(torch.tensor(r), slice(r * n, (r + 1) * n)) for r in range(ways)]
+    forward = sum(expert_block(grouped_mm, x, w[s], offs, r, n) for r, s in blocks)
+    assert torch.equal(forward, grouped_mm(x, w, offs))
+    weight_grad = torch.cat([expert_block(grouped_mm, x.t(), dy, offs, r, n) for r, _ in blocks])
+    assert torch.equal(weight_grad, grouped_mm(x.t(), dy, offs))
+
+
+@pytest.mark.parametrize("tp", [False, True], ids=["ep", "ep+tp"])
+def test_grouped_mm_expert_parallel_matches_single_device(tp):
+    """The grouped-matmul experts split over the experts on dp (and, with ``tp``, inside each
+    expert on tp): each rank multiplies the sorted tokens routed to its own experts, the partial
+    outputs are summed back, the weight gradients are made split; three AdamW steps match one
+    device."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    ref = reference_run("moe", batch_rows=8)
+    experts, out = ((S0, S0), (P, P)) if tp else ((S0, R), (P, R))
+    pins = [("w[123]", experts), *((name, out) for name in ("grouped_mm", "grouped_mm_1"))]
+    plan, lowered, pmod = plan_and_apply(mesh, "moe", pins, batch_rows=8)
+    for name in ("grouped_mm", "grouped_mm_1"):
+        assert plan.nodes[name].inputs[1][0] == S0 and plan.nodes[name].inputs[0][0] == R
+    assert any(
+        n.phase == "backward" and S0 in n.outputs[0] for n in plan.nodes.values() if n.op.endswith("grouped_mm.default")
+    )
+    with LocalTensorMode(8):
+        r = parallel_run(mesh, pmod, ref, False, plain=one_value)
+    check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
 
 
 @pytest.mark.parametrize("pins", [[], EXPERT_TP], ids=["free", "fsdp+expert_tp"])
@@ -88,3 +126,25 @@ def test_named_moe_models_plan_with_experts_split(name):
         plan = ap.optimize_placement()
     experts = [p for fqn, p in plan.param_placements.items() if fqn.endswith(("feed_forward.w1", "feed_forward.w2"))]
     assert experts and all(S0 in p for p in experts)
+
+
+def test_expert_imbalance_prices_the_busiest_ranks_experts():
+    """``expert_imbalance``: a grouped matmul split over its experts is priced at the busiest
+    rank's tokens (here 3x the mean); one split inside each expert is not, whatever the routing."""
+    from models import GroupedMoE
+
+    from autoplan.cost.costs import CostModel
+
+    mesh = fake_mesh((8,))
+    with torch.device("meta"):
+        model = GroupedMoE(dim=256, hidden=512, experts=16, top_k=2)
+    with AutoParallel(model, mesh, lambda: torch.randn(8, 256, 256)) as ap:
+        node = next(n for n in ap.strategies if n.name == "grouped_mm")
+        choices = ap.strategies[node].strategies
+    over_experts = next(s for s in choices if s.inputs[1] == (S0,))
+    inside_each = next(s for s in choices if s.inputs[1] == (S2,))
+    balanced, busy = CostModel(mesh, ap.device_profile), CostModel(mesh, ap.device_profile, expert_imbalance=3.0)
+    assert busy.op_seconds(node, over_experts) == pytest.approx(3 * balanced.op_seconds(node, over_experts))
+    assert busy.op_seconds(node, inside_each) == balanced.op_seconds(node, inside_each)
+    with pytest.raises(ConstraintError, match="expert_imbalance=0.5"):
+        AutoParallel(model, mesh, lambda: torch.randn(8, 256, 256), expert_imbalance=0.5)

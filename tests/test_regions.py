@@ -11,7 +11,7 @@ from parallel_run import check_run, graph_report, one_value, parallel_run, plan_
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Replicate, Shard
 
-from autoplan import AutoParallel
+from autoplan import AutoParallel, TracingError, local_map
 
 ROWS, WHOLE = (Shard(0), Replicate()), (Replicate(), Replicate())
 
@@ -70,3 +70,46 @@ def test_expert_parallelism_emerges_from_costs(experts):
         assert Shard(0) in plan.param_placements["w1"]
     else:
         assert moves["all_to_all"] == 0 and not split_experts
+
+
+def test_untraced_region_with_data_dependent_shapes_runs_with_single_device_numerics():
+    """A region declared ``traced=False`` holds nonzero and boolean indexing: it plans as one op
+    (forward, and a backward that runs it again and differentiates it) between its declared
+    boundaries, runs as written on each rank's rows, and three AdamW steps match one device."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    ref = reference_run("data_dependent", batch_rows=8)
+    plan, lowered, pmod = plan_and_apply(mesh, "data_dependent", [], batch_rows=8)
+    ops = Counter(p.op for p in plan.nodes.values() if p.rule == "local_map")
+    assert ops["autoplan.untraced_region.default"] == ops["autoplan.untraced_region_backward.default"] == 1
+    assert not [p for p in plan.nodes.values() if p.rule == "local_map" and p.op.startswith("aten.")]
+    with LocalTensorMode(8):
+        r = parallel_run(mesh, pmod, ref, False, plain=one_value)
+    check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+
+
+class _Branching(torch.nn.Module):
+    def forward(self, x):
+        @local_map(out_placements=ROWS, in_placements=(ROWS,), traced=False)
+        def body(h):
+            return h[: int((h > 0).sum())]  # a Python int read from the data
+
+        return body(x).sum()
+
+
+def test_untraced_region_of_unknowable_shape_is_a_named_error():
+    """An untraced region whose output's shape is read from the data: a TracingError naming the
+    region and what its body must do instead."""
+    with pytest.raises(TracingError, match=r"(?s)local_map region .*body \(traced=False\).*static shapes") as info:
+        AutoParallel(_Branching(), fake_mesh((2, 4)), input_fn=lambda: torch.randn(8, 32)).__enter__()
+    assert "a Python int read from the data" in info.value.source
+
+
+def test_data_dependent_op_outside_regions_points_at_local_map():
+    """Outside any region, a data-dependent op keeps its named error, which points at ``local_map``."""
+
+    class Nonzero(torch.nn.Module):
+        def forward(self, x):
+            return x[x > 0].sum()
+
+    with pytest.raises(TracingError, match=r"aten\.nonzero.*\n.*\n.*local_map\(\.\.\., traced=False\)"):
+        AutoParallel(Nonzero(), fake_mesh((8,)), input_fn=lambda: torch.randn(8, 32)).__enter__()

@@ -33,6 +33,7 @@ from autoplan.cost.devices import H100_SXM, DeviceProfile
 from autoplan.cost.network import MeshTopology, collective_seconds
 from autoplan.shard.strategies import Strategy, output_vals, tensor_inputs
 from autoplan.shard.uneven import gather_runs, largest, uneven_dims
+from autoplan.trace import grouped_mm
 
 # a price of moving a tensor between placements: (made in, read in, tensor meta) -> seconds or bytes
 Price = Callable[[Placements, Placements, Any], float]
@@ -303,9 +304,10 @@ class UnsupportedRedistribution(ValueError):
 class CostModel:
     """Costs of compute and redistribution for one (mesh, topology, profile); caches keyed accordingly."""
 
-    def __init__(self, mesh: DeviceMesh, profile: DeviceProfile = H100_SXM) -> None:
+    def __init__(self, mesh: DeviceMesh, profile: DeviceProfile = H100_SXM, expert_imbalance: float = 1.0) -> None:
         self.mesh = mesh
         self.profile = profile
+        self.expert_imbalance = expert_imbalance  # the busiest expert-parallel rank's tokens over the mean
         self.topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
         # Keyed by ``_key``; mesh and profile are fixed per instance.
         self._ids: dict[Placements, int] = {}
@@ -625,9 +627,20 @@ class CostModel:
                 self.compute_cost(
                     flops, list(zip(ins, s.inputs)), [(m, s.outputs[i]) for i, m in outs if s.outputs[i] is not None]
                 )
+                * self._load(node, s)
                 for s in strategies
             ]
         )
+
+    def _load(self, node: fx.Node, strategy: Strategy) -> float:
+        """The busiest rank's work over the balanced share: a grouped matmul split over its experts
+        waits for the rank whose experts got the most tokens (``expert_imbalance``, from the data:
+        1 prices the balanced case); any other split divides the work evenly."""
+        if self.expert_imbalance == 1.0 or node.target not in grouped_mm.GROUPED_MM:
+            return 1.0
+        a, b = (x.meta["val"] for x in node.args[:2])
+        split = grouped_mm.expert_mesh_dims(node.target, a, b, strategy.inputs, strategy.outputs)
+        return self.expert_imbalance if split else 1.0
 
     def ideal_op_seconds(self, node: fx.Node) -> float:
         """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""

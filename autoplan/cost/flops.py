@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.adapters.ops import OpOverload
-from autoplan.trace import attention
+from autoplan.trace import attention, grouped_mm, regions
 
 aten = torch.ops.aten
 
@@ -63,8 +63,10 @@ def node_flops(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], o
     """
     if op in attention.SDPA_OPS:
         return float(_sdpa_kernel_flops(op, args, kwargs))
-    if op is aten._grouped_mm.default:
+    if op in grouped_mm.GROUPED_MM:
         return grouped_mm_flops(args[0].shape, args[1].shape)
+    if op in regions.UNTRACED:  # as declared; the backward runs the body again, then twice its work
+        return regions.flops_of_body(args[-1]) * (1 if op is regions.UNTRACED[0] else 3)
     packet = op.overloadpacket
     if packet in flop_registry:
         return float(flop_registry[packet](*args, **kwargs, out_val=out))

@@ -13,6 +13,7 @@ graph's first input, the rank's mesh coordinate, so the same graph runs on every
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from autoplan.lower.validate import GraphCheckError, check_lowered
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
 from autoplan.shard.strategies import Placements
-from autoplan.trace import attention, regions
+from autoplan.trace import attention, grouped_mm, regions
 from autoplan.trace.recompute import closure, just_in_time, layer_of
 from autoplan.trace.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 
@@ -161,6 +162,13 @@ def _bias_grad(values: dict, lse: torch.Tensor) -> torch.Tensor:
     return grad.sum_to_size(values["bias"].shape).to(values["bias"].dtype)
 
 
+def _pad_head(t: torch.Tensor, head: int) -> torch.Tensor:
+    """``t`` with its last (head) dim zero-padded to ``head``. The CPU kernel takes one head size
+    for query, key and value; GPU kernels take a narrower value (MLA's). Zero columns of the value
+    give zero columns of the output and of the value's gradient, and add nothing to the others."""
+    return t if t.shape[-1] == head else torch.nn.functional.pad(t, (0, head - t.shape[-1]))
+
+
 def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: DeviceMesh, outputs: tuple) -> tuple:
     """A GPU attention kernel computed by its CPU twin on the local shards, in the GPU kernel's output
     layout. The values only a GPU makes (RNG state, seeds, debug masks) are zeros that nothing reads:
@@ -171,9 +179,13 @@ def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: De
     twin = attention.HOST_TWIN[spec.op]
     common = {r: values[r] for r in ("query", "key", "value", "is_causal", "scale")}
     common |= {"bias": values.get("bias"), "dropout_p": 0.0}
+    head, v_head = values["query"].shape[-1], values["value"].shape[-1]
+    common["value"] = _pad_head(values["value"], head)
     if spec.backward:
         lse = _host_lse(values["lse"], values["query"].shape[2])
-        grads = list(twin.call({**common, "grad_out": values["grad_out"], "out": values["out"], "lse": lse}))
+        padded = {r: _pad_head(values[r], head) for r in ("grad_out", "out")}
+        grads = list(twin.call({**common, **padded, "lse": lse}))
+        grads[2] = grads[2][..., :v_head]
         mask = values.get("grad_input_mask")
         if mask is not None and mask[3]:  # the CPU kernel has no gradient for a bias
             grads.append(_bias_grad(values, lse))
@@ -181,7 +193,7 @@ def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: De
         return (*grads, *(None for _ in spec.output_roles[len(grads) :]))
     vals = node.meta["val"]
     out, lse = twin.call(common)
-    out = _gpu_layout(out, vals[spec.output("out")])
+    out = _gpu_layout(out[..., :v_head], vals[spec.output("out")])
     made = {"out": out, "max_q": values["query"].shape[2], "max_k": values["key"].shape[2]}
     result = []
     for i, role in enumerate(spec.output_roles):
@@ -198,16 +210,33 @@ def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: De
     return tuple(result)
 
 
-def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, outputs: tuple):
+def _run_experts(node: fx.Node, args, kwargs, mesh: DeviceMesh, dims: list[int], coordinate: torch.Tensor):
+    """A grouped matmul split over its experts on mesh ``dims``: this rank's expert block
+    (``grouped_mm.expert_block``), the block numbered across ``dims`` in mesh order."""
+    a, b, offs = (*args, *kwargs.values())[:3]
+    block = coordinate[dims[0]]
+    for d in dims[1:]:
+        block = block * mesh.shape[d] + coordinate[d]
+    n_local = offs.shape[0] // math.prod(mesh.shape[d] for d in dims)
+    return grouped_mm.expert_block(node.target, a, b, offs, block, n_local)
+
+
+def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate: torch.Tensor):
     """Ops DTensor has no rule for (ours, or replicate-only fallbacks): run on the local shards.
 
-    GPU attention kernels run as themselves on a GPU mesh and through their CPU twin on a CPU mesh.
+    GPU attention kernels run as themselves on a GPU mesh and through their CPU twin on a CPU mesh;
+    a grouped matmul split over its experts runs the rank's block of experts.
     """
+    outputs = chosen.outputs
     unwrap = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
     args, kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
     spec = attention.spec_of(node.target)
+    operands = [a.meta["val"] for a in node.args[:2]] if node.target in grouped_mm.GROUPED_MM else [None, None]
+    experts = grouped_mm.expert_mesh_dims(node.target, *operands, chosen.inputs, outputs)
     if node.target in (regions.ENTER, regions.EXIT):  # a region's boundary: the shard as it is
         result = args[0]
+    elif experts:
+        result = _run_experts(node, args, kwargs, mesh, experts, coordinate)
     elif spec is None or spec.backend == "cpu":
         result = node.target(*args, **kwargs)
     elif mesh.device_type == "cpu":
@@ -234,7 +263,7 @@ def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict, coordinate
     flat = [_to(env[a], next(wanted), coordinate) if isinstance(a, fx.Node) else a for a in flat]
     args, kwargs = tree_unflatten(flat, spec)
     if chosen.rule in LOCAL_RULES:
-        return _run_local(node, args, kwargs, mesh, chosen.outputs)
+        return _run_local(node, args, kwargs, mesh, chosen, coordinate)
     result = node.target(*args, **kwargs)
     results = result if isinstance(result, (tuple, list)) else (result,)
     for i, (r, pl) in enumerate(zip(results, chosen.outputs)):

@@ -27,7 +27,7 @@ from autoplan.adapters.pytree import tree_map
 from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
 from autoplan.shard.constraints import placement_error
-from autoplan.trace import attention, regions
+from autoplan.trace import attention, grouped_mm, regions
 from autoplan.trace.tracing import PATH_KEY
 
 Placements = dt.Placements
@@ -170,9 +170,44 @@ def _sdpa_rows(node: fx.Node) -> list[tuple]:
     return [_sdpa_row(spec, d, query, outs, ins, roles) for d in dims]
 
 
-# Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...).
-# DTensor's GPU attention rules cannot take the RNG and integer values their backward reads.
-_OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple]]] = dict.fromkeys(attention.SDPA_OPS, _sdpa_rows)
+def _grouped_mm_rows(node: fx.Node) -> list[tuple] | None:
+    """A grouped matmul (``trace.grouped_mm``) split inside each expert, as DTensor splits it, or
+    over the experts, which DTensor never does where offsets group the tokens.
+
+    Split over the experts (the expert-parallel row), every rank holds all the routed tokens
+    (sorted by expert) and the offsets, and multiplies only the rows of its own experts
+    (``grouped_mm.expert_block``): in the forward (2-D x 3-D) its result is zero elsewhere, a
+    partial sum whose reduction combines the experts' outputs; the weight gradient (2-D x 2-D) is
+    the expert-split gradient itself. So expert parallelism moves tokens (gathered in, reduced
+    back) where FSDP moves expert weights, and the costs choose. Offsets and the grouped dim stay
+    whole. ``None`` (DTensor's rule) for a call with a bias or another output dtype.
+    """
+    extra = {**dict(zip(("offs", "bias", "out_dtype"), node.args[2:])), **node.kwargs}
+    if extra.get("bias") is not None or extra.get("out_dtype") not in (None, node.meta["val"].dtype):
+        return None
+    a, b = (x.meta["val"] for x in node.args[:2])
+    R, P = Replicate(), Partial()
+    if a.dim() == 3 and b.dim() == 3:  # one matmul per expert: [E, M, K] x [E, K, N]
+        return [
+            (Shard(0), Shard(0), Shard(0)),
+            (Shard(1), Shard(1), R),
+            (Shard(2), R, Shard(2)),
+            (P, Shard(2), Shard(1)),
+        ]
+    if a.dim() == 2 and b.dim() == 3:  # routed rows [T, K] x experts [E, K, N]
+        return [(P, R, Shard(0), R), (Shard(1), R, Shard(2), R), (P, Shard(1), Shard(1), R)]
+    if a.dim() == 2 and b.dim() == 2:  # weight gradient [K, T] x [T, N] -> [E, K, N]
+        return [(Shard(0), R, R, R), (Shard(1), Shard(0), R, R), (Shard(2), R, Shard(1), R)]
+    return None
+
+
+# Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...),
+# or None where DTensor's rule serves. DTensor's GPU attention rules cannot take the RNG and
+# integer values their backward reads; its grouped matmul rules never split the experts.
+_OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple] | None]] = {
+    **dict.fromkeys(attention.SDPA_OPS, _sdpa_rows),
+    **dict.fromkeys(grouped_mm.GROUPED_MM, _grouped_mm_rows),
+}
 
 
 def op_signature(node: fx.Node) -> tuple:
@@ -351,9 +386,10 @@ class StrategyBuilder:
         n_in = len(tensor_inputs(node))
         n_out = len(output_vals(node))
         rep = (Replicate(),) * n_out + (Replicate(),) * n_in
-        if op in _OWN_RULES:
-            rows, source = _OWN_RULES[op](node), "autoplan"
-            return self._finish(node, _product_rows(rows, n_out, len(self.mesh_shape)), source)
+        rows = _OWN_RULES[op](node) if op in _OWN_RULES else None
+        if rows is not None:
+            rows = [*rows, rep]
+            return self._finish(node, _product_rows(rows, n_out, len(self.mesh_shape)), "autoplan")
         if isinstance(op, OpOverload):
             args_meta, kwargs_meta = _meta_args(node)
             rows = dt.single_dim_rules(op, args_meta, kwargs_meta)

@@ -112,6 +112,7 @@ class Planner:
     optimizer: memory.OptimizerSpec
     solve_options: SolveOptions = field(default_factory=lambda: SolveOptions(mip_rel_gap=DEFAULT_GAP))
     merge_followers: bool = True
+    expert_imbalance: float = 1.0  # see ``CostModel``
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
@@ -437,7 +438,7 @@ class Planner:
     def _plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
         tg = self.tg
         t0 = self._started = time.perf_counter()
-        cost_model = CostModel(self.mesh, self.device_profile)
+        cost_model = CostModel(self.mesh, self.device_profile, self.expert_imbalance)
         try:
             main = self._main_solve(request, cost_model)
         except SolverTimeoutError as e:

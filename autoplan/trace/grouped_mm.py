@@ -16,8 +16,11 @@ Layouts (``offs``: the groups' cumulative ends along the grouped dim):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
 from autoplan.adapters.dtensor import share_rule
@@ -85,6 +88,47 @@ def _setup_context(ctx, inputs, output) -> None:
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 share_rule(torch.ops.autoplan.grouped_mm.default, aten._grouped_mm.default)
+
+
+GROUPED_MM = (aten._grouped_mm.default, torch.ops.autoplan.grouped_mm.default)
+
+
+def expert_mesh_dims(op, a: Tensor, b: Tensor, inputs: Sequence, outputs: Sequence) -> list[int]:
+    """The mesh dims a grouped matmul's placements split its experts over (the expert-parallel
+    row of its rule): the experts' weights ``b`` (2-D x 3-D) or the weight gradient (2-D x 2-D)
+    split on dim 0. ``a``, ``b``: its operands' values; ``inputs``, ``outputs``: their placements."""
+    if op not in GROUPED_MM or a.dim() != 2:
+        return []
+    split = inputs[1] if b.dim() == 3 else outputs[0]
+    return [d for d, p in enumerate(split) if p == Shard(0)]
+
+
+def expert_block(op, a: Tensor, b: Tensor, offs: Tensor, block: Tensor, n_local: int) -> Tensor:
+    """One rank's part of a grouped matmul whose experts are split: the groups ``block * n_local``
+    to ``(block + 1) * n_local`` of ``op(a, b, offs)`` (``block``, a 0-d tensor, is the rank's
+    expert block), where ``a`` (and ``b`` for 2-D x 2-D) hold every group.
+
+    - 2-D x 3-D (``b``: this rank's experts): the rows of those groups, every other row zero; the
+      ranks' results sum to the whole product.
+    - 2-D x 2-D (the experts' weight gradient): those groups' products, the rank's shard of the
+      ``[E, K, N]`` output.
+
+    Tokens are sorted by expert, so the block's rows are one contiguous run that starts at a
+    data-dependent row. It is rotated to row 0 by an index (no host sync, static shapes), multiplied
+    by the local groups, and rotated back. Only the block's rows are multiplied: expert parallelism
+    divides the work as it divides the weights.
+    """
+    rows = a.shape[0] if b.dim() == 3 else a.shape[1]
+    bounds = torch.cat([offs.new_zeros(1), offs])
+    ends = bounds.index_select(0, block * n_local + 1 + torch.arange(n_local, device=offs.device))
+    start = bounds.index_select(0, (block * n_local).reshape(1))
+    row = torch.arange(rows, device=a.device)
+    shift = (row + start) % rows
+    if b.dim() == 2:  # the grouped dim is a's columns and b's rows
+        return op(a.index_select(1, shift), b.index_select(0, shift), ends - start)
+    out = op(a.index_select(0, shift), b, ends - start).index_select(0, (row - start) % rows)
+    mine = (row >= start) & (row < ends[-1])
+    return torch.where(mine.unsqueeze(1), out, out.new_zeros(()))
 
 
 def in_any_dtype(a: Tensor, b: Tensor, offs: Tensor | None = None, bias=None, out_dtype=None) -> Tensor:

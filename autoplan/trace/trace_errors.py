@@ -25,7 +25,7 @@ _OP_HINTS = {
 }
 
 
-def _source_line(tb) -> str | None:
+def source_line(tb) -> str | None:
     """The innermost frame outside torch and autoplan: the line of model code that made the failing call."""
     for frame in reversed(traceback.extract_tb(tb)):
         if frame.filename.startswith(_OUR_MODELS) or not frame.filename.startswith(_LIBRARY_DIRS):
@@ -33,7 +33,7 @@ def _source_line(tb) -> str | None:
     return None
 
 
-def _failing_op(exc: BaseException) -> str | None:
+def failing_op(exc: BaseException) -> str | None:
     """The ATen op torch was running: fake-tensor errors carry it, else the innermost dispatch frame's."""
     op = getattr(exc, "func", None)
     tb = exc.__traceback__
@@ -54,14 +54,15 @@ def _raised_in_torch(exc: BaseException) -> bool:
 
 def _tracing_error(exc: BaseException, module_path: str) -> TracingError:
     """Name the op, the module and the model's source line of an error torch raised while tracing."""
-    op, source = _failing_op(exc), _source_line(exc.__traceback__)
+    op, source = failing_op(exc), source_line(exc.__traceback__)
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if type(exc).__name__ in _DATA_DEPENDENT:
         first = "its result's shape or a Python value read from it depends on tensor data"
         way_out = (
             "a plan is made for one static graph (.item(), nonzero, boolean indexing and data-dependent routing"
             " are not): compute it with static shapes (a Hugging Face MoE: its default experts kernel,"
-            " experts_implementation='grouped_mm'), or outside the model and pass it in as an input"
+            " experts_implementation='grouped_mm'), outside the model and pass it in as an input, or in an"
+            " autoplan.local_map(..., traced=False) region, which runs it as written on each rank"
         )
     else:
         way_out = _OP_HINTS.get(op or "", "the op's checks failed on fake tensors, as they would on the target device")
