@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.solve.reports import IlpReport, SolverReport
-from autoplan.styles import STYLES, module_styles
+from autoplan.styles import STYLES, expert_lines, module_styles
 
 Placements = tuple[Placement, ...]
 
@@ -99,6 +99,7 @@ class Redistribution:
     collectives: tuple[tuple[str, int], ...]  # (kind, mesh dim) in execution order
     seconds: float
     phase: str
+    nbytes: int = 0  # one rank's shard of the moved tensor, in its source placement
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,10 @@ class Plan:
         ``layers.*``; a copy that differs gets its own entry."""
         return {module: labels for module, (labels, _) in self._style_rows().items()}
 
+    def styles_by_module(self) -> dict[str, tuple[str, ...]]:
+        """``styles`` for every module by its own path (each layer's copy apart)."""
+        return module_styles(self.nodes.values(), self.param_placements)
+
     def _style_rows(self) -> dict[str, tuple[tuple[str, ...], int]]:
         return _fold(module_styles(self.nodes.values(), self.param_placements))
 
@@ -258,8 +263,11 @@ class Plan:
         tuple items (ops of no compute time, most of a module's nodes) are left out, and the data
         moved into them (a parameter's gather, say) is listed after, one line per move."""
         seen: set[tuple] = set()
-        lines, moved, hidden = [], [], set()
-        for node in self.matching(target):
+        moved, hidden = [], set()
+        matched = self.matching(target)
+        mesh = dict(zip(self._dim_names(), self.mesh_shape))
+        lines = expert_lines(matched, self.styles_by_module(), self.redistributions, mesh, _strategy_str)
+        for node in matched:
             key = (_pattern(node.module), node.op, node.phase, node.inputs, node.outputs)
             if "*" in target and key in seen:
                 continue
@@ -349,6 +357,7 @@ class Plan:
                     collectives=tuple((k, m) for k, m in r["collectives"]),
                     seconds=r["seconds"],
                     phase=r["phase"],
+                    nbytes=r.get("nbytes", 0),
                 )
                 for r in d["redistributions"]
             ],

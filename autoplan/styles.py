@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.tensor import Replicate, Shard
 
 if TYPE_CHECKING:
-    from autoplan.plan import NodePlan, Placements
+    from autoplan.plan import NodePlan, Placements, Redistribution
 
 COLWISE = "ColwiseParallel"
 ROWWISE = "RowwiseParallel"
@@ -36,6 +36,8 @@ STYLES = (COLWISE, ROWWISE, SEQUENCE, EXPERT, FSDP, DDP, REPLICATE)
 _MATMULS = ("aten.mm.default", "aten.addmm.default")  # nn.Linear's forward: ``(addmm|mm)(..., x, t(w))``
 _EMBEDDING = "aten.embedding.default"  # ``embedding(w, indices)``
 _BMM = "aten.bmm.default"  # experts: ``bmm(buffer [E, slots, in], w [E, in, out])``
+# experts: ``grouped_mm(tokens [routed, in], w [E, in, out], offsets)``
+_GROUPED = ("aten._grouped_mm.default", "autoplan.grouped_mm.default")
 _TRANSPOSE = "aten.t.default"
 
 
@@ -45,7 +47,8 @@ class WeightUse:
     op reads it (in the weight's own dims) and as the op's activations are split.
 
     ``op`` is ``"matmul"`` (activations [tokens, in features]), ``"embedding"`` (activations: the
-    indices), ``"experts"`` (activations [experts, slots, in features]) or ``""`` for any other
+    indices), ``"experts"`` (activations [experts, slots, in features]), ``"grouped"`` (experts
+    reading tokens sorted by expert, [routed tokens, in features]) or ``""`` for any other
     module (a norm: the activations are what its ops output, laid out [batch, sequence, ...] as in a
     transformer, and the weight is read as they require)."""
 
@@ -64,7 +67,7 @@ def style(use: WeightUse, mesh_dim: int) -> str:
     data = None if use.data is None else use.data[mesh_dim]
     if use.op and read is not None:
         if isinstance(read, Shard) and read == stored:
-            if use.op == "experts" and read.dim == 0:
+            if use.op in ("experts", "grouped") and read.dim == 0:
                 return EXPERT
             return COLWISE if read.dim == use.out_dim else ROWWISE
         token_dim = 1 if use.op == "experts" else 0  # the slots of an expert's buffer are tokens
@@ -99,7 +102,7 @@ def weight_uses(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dic
             forward[node.module].append(node)
     uses = {}
     for module, fqns in by_module.items():
-        experts = any(n.op == _BMM for n in forward[module])
+        experts = any(n.op == _BMM or n.op in _GROUPED for n in forward[module])
         weight = f"{module}.weight" if f"{module}.weight" in fqns else fqns[0] if len(fqns) == 1 or experts else None
         if weight is not None:
             uses[module] = _use(params[weight], forward[module])
@@ -122,10 +125,11 @@ def _use(stored: Placements, forward: list[NodePlan]) -> WeightUse:
         (_transpose(n.inputs[-1]) if transposed else n.inputs[-1], n.inputs[-2]) for n in forward if n.op in _MATMULS
     }
     lookups = {(n.inputs[0], n.inputs[1]) for n in forward if n.op == _EMBEDDING}
-    experts = {(n.inputs[1], n.inputs[0]) for n in forward if n.op == _BMM}
-    if experts:
-        (read, data), *others = experts
-        return WeightUse("experts", stored, None if others else read, None if others else data, 2)
+    for op, kind in ((_BMM,), "experts"), (_GROUPED, "grouped"):
+        experts = {(n.inputs[1], n.inputs[0]) for n in forward if n.op in op}
+        if experts:
+            (read, data), *others = experts
+            return WeightUse(kind, stored, None if others else read, None if others else data, 2)
     if matmuls or lookups:
         (read, data), *others = matmuls | lookups
         unique = not others
@@ -138,3 +142,58 @@ def _use(stored: Placements, forward: list[NodePlan]) -> WeightUse:
 def _transpose(placements: Placements) -> Placements:
     """A 2-D tensor's placements seen through ``t``: its dims 0 and 1 swap."""
     return tuple(Shard(1 - p.dim % 2) if isinstance(p, Shard) else p for p in placements)
+
+
+def _splits_experts(n: NodePlan, inputs: tuple) -> bool:
+    """Whether an experts' matmul (``_BMM`` or ``_GROUPED``) reads its experts' weights split over
+    the experts (dim 0) on some mesh dim under the placements ``inputs``."""
+    return any(p == Shard(0) for p in inputs[1])
+
+
+def expert_lines(
+    matched: list[NodePlan],
+    styles: dict[str, tuple[str, ...]],
+    redistributions: Iterable[Redistribution],
+    mesh: dict[str, int],
+    strategy_str,
+) -> list[str]:
+    """What ``explain`` says first about a mixture of experts' block (the nodes ``matched``; of
+    repeated layers, the first): how its experts are split per mesh dim (the expert-parallel
+    degree), what moves into and out of its experts' matmuls per step, by collective, and, per
+    forward experts' matmul, the best alternative on the other side of the expert-parallel choice
+    (each alone, every other node kept) and how much slower the step would be. Empty where
+    ``matched`` holds no experts' matmul."""
+    matmuls = [n for n in matched if n.op == _BMM or n.op in _GROUPED]
+    if not matmuls:
+        return []
+    module = matmuls[0].module
+    matmuls = [n for n in matmuls if n.module == module]
+    forward = [n for n in matmuls if n.phase == "forward"]
+    dims = [d for d in range(len(mesh)) if any(n.inputs[1][d] == Shard(0) for n in forward)]
+    degree = 1
+    for d in dims:
+        degree *= list(mesh.values())[d]
+    over = " over " + " x ".join(list(mesh)[d] for d in dims) if dims else ""
+    how = ", ".join(f"{label} on {name}" for name, label in zip(mesh, styles.get(module, ())))
+    lines = [f"experts of {module}: expert-parallel degree {degree}{over}" + (f" ({how})" if how else "")]
+    names = {n.name for n in matmuls}
+    by_kind: dict[str, list] = {}
+    for r in redistributions:
+        if r.consumer in names or r.producer in names:
+            for kind in dict.fromkeys(k for k, _ in r.collectives if k not in ("local", "relayout")):
+                by_kind.setdefault(kind, []).append(r)
+    moved = []
+    for kind, rs in sorted(by_kind.items()):
+        mib, ms = sum(r.nbytes for r in rs) / 2**20, sum(r.seconds for r in rs) * 1e3
+        moved.append(f"{kind} {len(rs)} ({mib:.2f} MiB per rank, {ms:.3f} ms)")
+    lines.append("  into and out of its experts' matmuls per step: " + (", ".join(moved) or "nothing moves"))
+    for n in forward:
+        chosen = _splits_experts(n, n.inputs)
+        other = [a for a in n.alternatives if _splits_experts(n, a.inputs) != chosen]
+        side = "not split over the experts" if chosen else "split over the experts"
+        if other:
+            best = min(other, key=lambda a: a.delta_s)
+            lines.append(f"  {n.name}: next best {side}: {strategy_str(best)}, {best.delta_s * 1e3:+.3f} ms per step")
+        else:
+            lines.append(f"  {n.name}: no alternative {side} among the next-best strategies kept")
+    return lines

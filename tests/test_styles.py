@@ -1,6 +1,7 @@
 """``Plan.styles``: a plan in the words of a hand-written ``parallelize_module`` plan (torchtitan's)."""
 
 import dataclasses
+import re
 from fnmatch import fnmatchcase
 
 import pytest
@@ -199,10 +200,29 @@ def test_an_expert_parallel_plan_reads_as_expert_parallel():
     with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, cfg.vocab_size, (4, 16))) as ap:
         ap.add_input_constraints([(S0, R)])
         ap.add_output_constraints([(S0, R)])
-        free = ap.optimize_placement().styles()["layers.*.feed_forward"]
+        free_plan = ap.optimize_placement()
+        free = free_plan.styles()["layers.*.feed_forward"]
         ap.add_node_constraint("layers.*.feed_forward.w[123]", (S0, R))
         ap.add_node_constraint("bmm*", (S0, R))
         plan = ap.optimize_placement()
     assert EXPERT not in free
     assert plan.styles()["layers.*.feed_forward"] == (EXPERT, REPLICATE)
     assert "ExpertParallel" in plan.summary()
+    # explain leads with the block: its degree, the all-to-alls moving its buffers, the next best
+    head = plan.explain("layers.*.feed_forward").splitlines()
+    assert head[0] == (
+        "experts of layers.0.feed_forward: expert-parallel degree 2 over dp (ExpertParallel on dp, Replicate on tp)"
+    )
+    assert re.search(r"all_to_all \d+ \(\d+\.\d+ MiB per rank, \d+\.\d+ ms\)", head[1])
+    assert head[2] == "  bmm: no alternative not split over the experts among the next-best strategies kept"  # pinned
+    free_head = free_plan.explain("layers.*.feed_forward").splitlines()
+    assert free_head[0].startswith("experts of layers.0.feed_forward: expert-parallel degree 1 (")
+    assert re.match(r"  bmm\w*: next best split over the experts: .* \+\d+\.\d+ ms per step", free_head[2])
+
+
+def test_grouped_matmul_experts_read_as_expert_parallel():
+    """torchtitan-style grouped-matmul experts (``grouped_mm(tokens [routed, in], w [E, in, out])``):
+    read split over the experts, they are ExpertParallel there whatever the tokens; read whole
+    with the tokens split, FSDP."""
+    experts = WeightUse("grouped", stored=(S0, S0), read=(S0, R), data=(R, Shard(0)), out_dim=2)
+    assert (style(experts, 0), style(experts, 1)) == (EXPERT, FSDP)

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from autoplan.adapters.dtensor import TensorMeta
 from autoplan.cost import overlap
-from autoplan.cost.costs import CostModel
+from autoplan.cost.costs import CostModel, local_bytes
 from autoplan.cost.moves import Move, moves
 from autoplan.plan import Alternative, CostBreakdown, NodePlan, Plan, Redistribution
 from autoplan.shard.strategies import Placements, Strategy, op_signature, value_of
@@ -111,7 +111,8 @@ def evaluate(
             continue
         seconds = cost_model.redistribute_cost(src, dst, e.meta)
         collectives = cost_model.redistribute_collectives(src, dst, e.meta)
-        redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase))
+        nbytes = local_bytes(e.meta, src, cost_model.mesh.shape)
+        redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase, nbytes))
         totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
         if e.segment is not None:
             seg_comm[e.segment] += seconds
