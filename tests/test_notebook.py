@@ -21,6 +21,10 @@ def test_notebook_runs_top_to_bottom(tmp_path):
     assert images == 4  # cost breakdown, parameter memory, three plans, mesh sweep (two panels, one figure)
     assert "autoplan plan on mesh (dp=2, tp=4)" in text and "layers.*.attention.wq.weight" in text
     assert "chosen" in text and "parameters placed differently" in text
+    # the mixture of experts' section: the MoE block's styles and explain's expert lines
+    assert "MoE block per mesh dim: (" in text
+    assert re.search(r"^experts of layers\.\d+\.feed_forward: expert-parallel degree \d+", text, re.M)
+    assert re.search(r"^  into and out of its experts' matmuls per step: ", text, re.M)
     # each stacked cost bar is the step's estimate: communication under compute is drawn beside it
     stacks = re.findall(r"^(.+): stacked bar ([\d.]+) ms, estimated step ([\d.]+) ms$", text, re.M)
     assert [name for name, _, _ in stacks] == ["autoplan 16x8", "autoplan", "FSDP only", "FSDP + TP"]

@@ -7,6 +7,7 @@ parameter and module names), so the ILP's plan can be priced against them under 
 - ``fsdp+tp``: torchtitan's 2-D plan: the last mesh dim is tensor parallel (column-wise wq/wk/wv/w1/w3
   and output, row-wise wo/w2 and the embedding), the others FSDP. Where the norms run (sequence
   parallel or replicated) is left to the ILP: a norm's output is not a pinnable module output here.
+  A mixture of experts' routed experts are split inside each expert on the last dim too.
 
 A mixture of experts (``autoplan.bench.models.moe``: expert weights ``feed_forward.w1/w2/w3`` of
 ``[experts, in, out]``, run as batched matmuls) gets its experts pinned too, and two plans more:
@@ -34,6 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.errors import AutoplanError
 from autoplan.shard.constraints import placement_error
+from autoplan.trace.tracing import PATH_KEY
 
 R = Replicate()
 COLUMNWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -66,7 +68,7 @@ def hand_plan_pins(name: str, ndim: int, moe: bool = False) -> list[tuple[str, t
     elif name == "hsdp":
         pins = [(EVERY_PARAMETER, (R,) * (ndim - 1) + (Shard(0),))]
     else:
-        return _fsdp_tp(ndim)
+        return _fsdp_tp(ndim, moe)
     return pins + [(EXPERTS, pins[0][1])] if moe else pins
 
 
@@ -86,22 +88,39 @@ def _expert_parallel(ndim: int, tp: bool) -> list[tuple[str, tuple[Placement, ..
     return pins + [(m, matmul_ep + (Shard(2),)) for m in EXPERT_MATMULS[:2]]
 
 
-def _fsdp_tp(ndim: int) -> list[tuple[str, tuple[Placement, ...]]]:
+def _fsdp_tp(ndim: int, moe: bool) -> list[tuple[str, tuple[Placement, ...]]]:
     """FSDP on every dim but the last, TP on the last; a (batch, seq, ...) activation is batch-split
-    on the FSDP dims and split on ``d`` over TP."""
+    on the FSDP dims and split on ``d`` over TP. A mixture of experts' dense layers and shared
+    experts are split the same way, and each routed expert column- (w1, w3) or row-wise (w2), its
+    expert dim FSDP."""
     dp = (Shard(0),) * (ndim - 1)
 
     def act(d: int) -> tuple[Placement, ...]:
         return dp + (Shard(d),)
 
-    norms = ("layers.*.attention_norm.weight", "layers.*.ffn_norm.weight", "norm.weight")
-    pins = [(fqn, dp + (R,)) for fqn in norms]  # FSDP only
-    pins += [(f"layers.*.{m}.weight", dp + (Shard(0),)) for m in COLUMNWISE]  # (out, in): split outputs
-    pins += [(f"layers.*.{m}.weight", dp + (Shard(1),)) for m in ROWWISE]  # split inputs
+    blocks = [("layers.*", "feed_forward")]
+    if moe:
+        blocks = [("dense_layers.*", "feed_forward"), ("layers.*", "feed_forward.shared")]
+    pins = [("norm.weight", dp + (R,))]
+    for block, ffn in blocks:
+        columnwise = [m.replace("feed_forward", ffn) for m in COLUMNWISE]
+        rowwise = [m.replace("feed_forward", ffn) for m in ROWWISE]
+        pins += [(f"{block}.{norm}.weight", dp + (R,)) for norm in ("attention_norm", "ffn_norm")]  # FSDP only
+        pins += [(f"{block}.{m}.weight", dp + (Shard(0),)) for m in columnwise]  # (out, in): split outputs
+        pins += [(f"{block}.{m}.weight", dp + (Shard(1),)) for m in rowwise]  # split inputs
+        pins += [(f"{block}.{m}", act(2)) for m in columnwise]  # column-wise outputs: split features
+    if moe:
+        pins += [(f"layers.*.feed_forward.{w}", dp + (Shard(2),)) for w in ("w1", "w3")]
+        pins += [("layers.*.feed_forward.w2", dp + (Shard(1),))]
     pins += [("tok_embeddings.weight", dp + (Shard(0),)), ("output.weight", dp + (Shard(0),))]
-    pins += [(f"layers.*.{m}", act(2)) for m in COLUMNWISE]  # column-wise outputs: split features
     pins += [("output", act(2))]  # vocab-split logits
     return pins
+
+
+def _present(target: str, params: dict, modules: set[str]) -> bool:
+    """Whether a hand plan's pin names something the model has (a mixture of experts may have no
+    dense layers or no shared expert)."""
+    return any(fnmatch.fnmatchcase(name, target) for name in (*params, *modules))
 
 
 def fit_to_shapes(pins: list, params: dict[str, torch.Tensor], mesh_shape: tuple[int, ...]) -> list:
@@ -136,11 +155,13 @@ def compare_plans(ap, ndim: int) -> list[dict]:
     rows, plans = [], {}
     params = {fqn: n.meta["val"] for fqn, n in ap.traced.placeholder_for("param").items()}
     moe = any(fnmatch.fnmatchcase(fqn, EXPERTS) and params[fqn].dim() == 3 for fqn in params)
+    modules = {n.meta.get(PATH_KEY) or "" for n in ap.traced.gm.graph.nodes}
     for name in hand_plans(ndim, moe):
         added = []
         t0 = time.perf_counter()
         try:
-            for target, placements in fit_to_shapes(hand_plan_pins(name, ndim, moe), params, tuple(ap.mesh.shape)):
+            pins = [(t, p) for t, p in hand_plan_pins(name, ndim, moe) if _present(t, params, modules)]
+            for target, placements in fit_to_shapes(pins, params, tuple(ap.mesh.shape)):
                 ap.add_node_constraint(target, placements)
                 added.append(target)
             plans[name] = ap.optimize_placement()
