@@ -329,3 +329,14 @@ def test_math_option_reads_a_boolean_mask_as_sdpa_does():
     with LocalTensorMode(RANKS):
         result = parallel_run(mesh, pmod, ref, compiled=False, plain=one_value)
     check_run(result | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+
+
+def test_a_narrower_value_head_is_not_flash_attention():
+    """MLA's value head (DeepSeek-V3) is narrower than its query's: flash takes one head dim, so
+    bf16 attention without a mask goes to the memory-efficient kernel, and asking for flash says why."""
+    from autoplan.trace.attention import choose_backend
+
+    assert choose_backend("auto", torch.bfloat16, 24, False) == "flash"
+    assert choose_backend("auto", torch.bfloat16, 24, False, value_head_dim=16) == "efficient"
+    with pytest.raises(ValueError, match=r"got 24, and the value's the same, got 16"):
+        choose_backend("flash", torch.bfloat16, 24, False, value_head_dim=16)

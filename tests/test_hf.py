@@ -89,11 +89,21 @@ def test_family_table(capsys, monkeypatch):
     assert "1 of 2 plans made" in out
 
 
-@pytest.mark.parametrize("family", example_hf.MOE)
-def test_moe_families_plan_on_1d_and_2d_meshes(family):
+@pytest.mark.parametrize(
+    "family, dtype",
+    [  # DeepSeek-V3 (the most unlike the others) by default, the rest with the slow tests
+        (f, d) if f == "deepseek_v3" else pytest.param(f, d, marks=pytest.mark.slow)
+        for d in (torch.float32, torch.bfloat16)
+        for f in example_hf.MOE
+    ],
+)
+def test_moe_families_plan_on_1d_and_2d_meshes(family, dtype, monkeypatch):
     """Mixtral, Qwen3-MoE, DeepSeek-V3 (MLA, a shared expert, a dense first layer) and gpt-oss with
-    their default experts kernel, in fp32, plan on (8,) and (2, 4) with parameters split over every
-    rank (their numerics: ``test_family_matches_single_device``)."""
+    their default experts kernel, in fp32 and bf16, plan on (8,) and (2, 4) with parameters split
+    over every rank (their numerics: ``test_family_matches_single_device``). DeepSeek-V3's value
+    head is narrower than its query's: in bf16 its attention is the memory-efficient kernel's, as
+    flash takes one head dim."""
+    monkeypatch.setitem(example_hf.MODEL_OPTIONS, family, {"dtype": dtype})
     for shape in [(8,), (2, 4)]:
         planned, said = example_hf.plan_family(family, shape)
         assert planned, (family, shape, said)

@@ -55,7 +55,7 @@ def test_expert_blocks_make_the_whole_product(ways):
     assert torch.equal(weight_grad, grouped_mm(x.t(), dy, offs))
 
 
-@pytest.mark.parametrize("tp", [False, True], ids=["ep", "ep+tp"])
+@pytest.mark.parametrize("tp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ep", "ep+tp"])
 def test_grouped_mm_expert_parallel_matches_single_device(tp):
     """The grouped-matmul experts split over the experts on dp (and, with ``tp``, inside each
     expert on tp): each rank multiplies the sorted tokens routed to its own experts, the partial

@@ -44,6 +44,8 @@ EVERY_PARAMETER = "*.weight"  # node names hold no dot: this glob matches parame
 EXPERTS = "layers.*.feed_forward.w[123]"  # a mixture of experts' weights, [experts, in, out]
 # the first MoE layer's expert matmuls (w1, w3, w2): pinning one layer's node pins its copies
 EXPERT_MATMULS = ("bmm", "bmm_1", "bmm_2")
+# parts of a mixture of experts some lack (Qwen3-MoE: no dense layer, no shared expert)
+OPTIONAL_PARTS = ("dense_layers.", "layers.*.feed_forward.shared.")
 
 
 def hand_plans(ndim: int, moe: bool = False) -> tuple[str, ...]:
@@ -101,7 +103,7 @@ def _fsdp_tp(ndim: int, moe: bool) -> list[tuple[str, tuple[Placement, ...]]]:
     blocks = [("layers.*", "feed_forward")]
     if moe:
         blocks = [("dense_layers.*", "feed_forward"), ("layers.*", "feed_forward.shared")]
-    pins = [("norm.weight", dp + (R,))]
+    pins = []
     for block, ffn in blocks:
         columnwise = [m.replace("feed_forward", ffn) for m in COLUMNWISE]
         rowwise = [m.replace("feed_forward", ffn) for m in ROWWISE]
@@ -112,14 +114,17 @@ def _fsdp_tp(ndim: int, moe: bool) -> list[tuple[str, tuple[Placement, ...]]]:
     if moe:
         pins += [(f"layers.*.feed_forward.{w}", dp + (Shard(2),)) for w in ("w1", "w3")]
         pins += [("layers.*.feed_forward.w2", dp + (Shard(1),))]
-    pins += [("tok_embeddings.weight", dp + (Shard(0),)), ("output.weight", dp + (Shard(0),))]
-    pins += [("output", act(2))]  # vocab-split logits
+    pins += [("norm.weight", dp + (R,)), ("tok_embeddings.weight", dp + (Shard(0),))]
+    pins += [("output.weight", dp + (Shard(0),)), ("output", act(2))]  # vocab-split logits
     return pins
 
 
-def _present(target: str, params: dict, modules: set[str]) -> bool:
-    """Whether a hand plan's pin names something the model has (a mixture of experts may have no
-    dense layers or no shared expert)."""
+def _applies(target: str, params: dict, modules: set[str]) -> bool:
+    """Whether a hand plan's pin is for this model: a pin on a part some mixtures of experts lack
+    (``OPTIONAL_PARTS``) only where the model has it; any other pin always, so that one naming what
+    the model lacks says so."""
+    if not target.startswith(OPTIONAL_PARTS):
+        return True
     return any(fnmatch.fnmatchcase(name, target) for name in (*params, *modules))
 
 
@@ -160,7 +165,7 @@ def compare_plans(ap, ndim: int) -> list[dict]:
         added = []
         t0 = time.perf_counter()
         try:
-            pins = [(t, p) for t, p in hand_plan_pins(name, ndim, moe) if _present(t, params, modules)]
+            pins = [(t, p) for t, p in hand_plan_pins(name, ndim, moe) if _applies(t, params, modules)]
             for target, placements in fit_to_shapes(pins, params, tuple(ap.mesh.shape)):
                 ap.add_node_constraint(target, placements)
                 added.append(target)

@@ -179,7 +179,9 @@ def check_option(option: Any) -> str:
     return option
 
 
-def choose_backend(option: str, dtype: torch.dtype, head_dim: int, has_mask: bool, where: str = "") -> str:
+def choose_backend(
+    option: str, dtype: torch.dtype, head_dim: int, has_mask: bool, where: str = "", value_head_dim: int | None = None
+) -> str:
     """The kernel an ``F.scaled_dot_product_attention`` call traces to under ``option``.
 
     ``"auto"`` picks what a CUDA GPU (the cost model's target) runs, in torch's priority order
@@ -188,9 +190,12 @@ def choose_backend(option: str, dtype: torch.dtype, head_dim: int, has_mask: boo
     An explicit choice is taken as given, except flash with a mask or an unsupported head dim,
     which no flash kernel can compute. An explicit ``"flash"`` (or ``"cudnn"``) on fp32 is allowed:
     the host twin runs it on a CPU mesh (tests do), but a GPU kernel refuses fp32 at run time.
+    Flash takes one head dim for query, key and value: a narrower value (``value_head_dim``, as
+    MLA's) goes to memory-efficient attention.
     """
     check_option(option)
     flash_head_dim = head_dim <= FLASH_MAX_HEAD_DIM and head_dim % FLASH_HEAD_DIM_MULTIPLE == 0
+    flash_head_dim = flash_head_dim and value_head_dim in (None, head_dim)
     if option == "auto":
         return "flash" if dtype in _LOW_PRECISION and not has_mask and flash_head_dim else "efficient"
     if option == "flash":
@@ -200,6 +205,12 @@ def choose_backend(option: str, dtype: torch.dtype, head_dim: int, has_mask: boo
         if not flash_head_dim:
             raise ValueError(
                 f"attention='flash' needs a head dim <= {FLASH_MAX_HEAD_DIM} and a multiple of"
-                f" {FLASH_HEAD_DIM_MULTIPLE}, got {head_dim}{at}"
+                f" {FLASH_HEAD_DIM_MULTIPLE}, got {head_dim}"
+                + (
+                    f", and the value's the same, got {value_head_dim}"
+                    if value_head_dim not in (None, head_dim)
+                    else ""
+                )
+                + at
             )
     return option

@@ -252,7 +252,9 @@ def _sdpa_kernel_call(
         if option not in ("auto", "math"):
             raise ValueError(f"attention={option!r} cannot broadcast one key/value head: pass enable_gqa=True {at}")
         option = "math"
-    backend = attn.choose_backend(option, query.dtype, query.shape[-1], attn_mask is not None, where)
+    backend = attn.choose_backend(
+        option, query.dtype, query.shape[-1], attn_mask is not None, where, value_head_dim=value.shape[-1]
+    )
     if backend == "math":
         # the aten kernel reads a mask as an additive bias: F.scaled_dot_product_attention converts
         # boolean masks before calling it, and so must we
