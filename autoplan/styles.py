@@ -8,9 +8,9 @@ sharded and read sharded the same way by its matmul, the weight is tensor parall
 output features are split, rowwise when the input features are); stored sharded but gathered for a
 matmul whose tokens are split on that mesh dim, it is FSDP. A mixture of experts' module, whose
 experts' weights ``[experts, in, out]`` are read by batched matmuls over per-expert buffers
-``[experts, slots, features]``, is expert parallel where they are split over the experts (each rank
-runs its own experts on the tokens routed to them), and colwise or rowwise where each expert is
-split. Anything else is shown as placements.
+``[experts, slots, features]`` or by grouped matmuls over tokens sorted by expert, is expert parallel
+where they are split over the experts (each rank runs its own experts on the tokens routed to
+them), and colwise or rowwise where each expert is split. Anything else is shown as placements.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-node sharding strategies on an N-D mesh.
 
 A strategy fixes the placements of a node's outputs and the placements it expects for each tensor
-input. Sources, in order: autoplan's own rules (attention kernels, see ``_OWN_RULES``),
+input. Sources, in order: autoplan's own rules (attention kernels, grouped matmuls, see ``_OWN_RULES``),
 DTensor's single-mesh-dim rules expanded to N-D as a product over mesh dims, DTensor's full N-D
 rules, and finally a replicate-only fallback that warns (or raises in strict mode).
 """

@@ -4,8 +4,9 @@ ATen's grouped matmul takes bfloat16 only (its meta kernel checks), so an fp32 M
 numerics are checked in, cannot be traced with it, nor run on CPU. While tracing, a call in
 another dtype becomes ``autoplan::grouped_mm``: the same product with the same layouts, computed
 group by group, with its backward in terms of itself. The planner splits and prices it as the
-ATen op (DTensor's rules, ``flops.grouped_mm_flops``), and the lowered program runs it on each
-rank's shards. bfloat16 calls stay ATen's.
+ATen op (``shard.strategies._grouped_mm_rows``, ``flops.grouped_mm_flops``), and the lowered
+program runs it on each rank's shards, or, split over the experts, on the rank's block of experts
+(``expert_block``). bfloat16 calls stay ATen's.
 
 Layouts (``offs``: the groups' cumulative ends along the grouped dim):
 - 2-D x 3-D: ``[M, K] x [E, K, N] -> [M, N]``, rows grouped (tokens sorted by expert);
