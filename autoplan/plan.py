@@ -231,7 +231,7 @@ class Plan:
         return module_styles(self.nodes.values(), self.param_placements)
 
     def _style_rows(self) -> dict[str, tuple[tuple[str, ...], int]]:
-        return _fold(module_styles(self.nodes.values(), self.param_placements))
+        return _fold(self.styles_by_module())
 
     def param_table(self) -> list[tuple[str, str, int, int]]:
         """One row per layer pattern (``layers.*.attention.wq.weight``): placements, copies, and

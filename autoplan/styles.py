@@ -15,6 +15,7 @@ them), and colwise or rowwise where each expert is split. Anything else is shown
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -170,9 +171,7 @@ def expert_lines(
     matmuls = [n for n in matmuls if n.module == module]
     forward = [n for n in matmuls if n.phase == "forward"]
     dims = [d for d in range(len(mesh)) if any(n.inputs[1][d] == Shard(0) for n in forward)]
-    degree = 1
-    for d in dims:
-        degree *= list(mesh.values())[d]
+    degree = math.prod(list(mesh.values())[d] for d in dims)
     over = " over " + " x ".join(list(mesh)[d] for d in dims) if dims else ""
     how = ", ".join(f"{label} on {name}" for name, label in zip(mesh, styles.get(module, ())))
     lines = [f"experts of {module}: expert-parallel degree {degree}{over}" + (f" ({how})" if how else "")]

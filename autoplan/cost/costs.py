@@ -636,11 +636,9 @@ class CostModel:
         """The busiest rank's work over the balanced share: a grouped matmul split over its experts
         waits for the rank whose experts got the most tokens (``expert_imbalance``, from the data:
         1 prices the balanced case); any other split divides the work evenly."""
-        if self.expert_imbalance == 1.0 or node.target not in grouped_mm.GROUPED_MM:
+        if self.expert_imbalance == 1.0 or not grouped_mm.expert_mesh_dims(node, strategy.inputs, strategy.outputs):
             return 1.0
-        a, b = (x.meta["val"] for x in node.args[:2])
-        split = grouped_mm.expert_mesh_dims(node.target, a, b, strategy.inputs, strategy.outputs)
-        return self.expert_imbalance if split else 1.0
+        return self.expert_imbalance
 
     def ideal_op_seconds(self, node: fx.Node) -> float:
         """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""

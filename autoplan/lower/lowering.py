@@ -231,8 +231,7 @@ def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate
     unwrap = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
     args, kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
     spec = attention.spec_of(node.target)
-    operands = [a.meta["val"] for a in node.args[:2]] if node.target in grouped_mm.GROUPED_MM else [None, None]
-    experts = grouped_mm.expert_mesh_dims(node.target, *operands, chosen.inputs, outputs)
+    experts = grouped_mm.expert_mesh_dims(node, chosen.inputs, outputs)
     if node.target in (regions.ENTER, regions.EXIT):  # a region's boundary: the shard as it is
         result = args[0]
     elif experts:

@@ -194,8 +194,11 @@ def choose_backend(
     MLA's) goes to memory-efficient attention.
     """
     check_option(option)
-    flash_head_dim = head_dim <= FLASH_MAX_HEAD_DIM and head_dim % FLASH_HEAD_DIM_MULTIPLE == 0
-    flash_head_dim = flash_head_dim and value_head_dim in (None, head_dim)
+    flash_head_dim = (
+        head_dim <= FLASH_MAX_HEAD_DIM
+        and head_dim % FLASH_HEAD_DIM_MULTIPLE == 0
+        and value_head_dim in (None, head_dim)
+    )
     if option == "auto":
         return "flash" if dtype in _LOW_PRECISION and not has_mask and flash_head_dim else "efficient"
     if option == "flash":

@@ -94,11 +94,14 @@ share_rule(torch.ops.autoplan.grouped_mm.default, aten._grouped_mm.default)
 GROUPED_MM = (aten._grouped_mm.default, torch.ops.autoplan.grouped_mm.default)
 
 
-def expert_mesh_dims(op, a: Tensor, b: Tensor, inputs: Sequence, outputs: Sequence) -> list[int]:
-    """The mesh dims a grouped matmul's placements split its experts over (the expert-parallel
-    row of its rule): the experts' weights ``b`` (2-D x 3-D) or the weight gradient (2-D x 2-D)
-    split on dim 0. ``a``, ``b``: its operands' values; ``inputs``, ``outputs``: their placements."""
-    if op not in GROUPED_MM or a.dim() != 2:
+def expert_mesh_dims(node, inputs: Sequence, outputs: Sequence) -> list[int]:
+    """The mesh dims that the placements ``inputs`` and ``outputs`` of the traced op ``node`` split
+    its experts over (the expert-parallel row of a grouped matmul's rule): the experts' weights
+    (2-D x 3-D) or the weight gradient (2-D x 2-D) split on dim 0; none for any other op."""
+    if node.target not in GROUPED_MM:
+        return []
+    a, b = (x.meta["val"] for x in node.args[:2])
+    if a.dim() != 2:
         return []
     split = inputs[1] if b.dim() == 3 else outputs[0]
     return [d for d, p in enumerate(split) if p == Shard(0)]
