@@ -8,8 +8,8 @@
 
 A factory (``module:function``, found from the current folder too) returns ``(model, input_fn)``;
 build the model on the meta device so that planning needs no memory. Planning runs on a fake
-process group, so any mesh plans here. ``-v`` logs each phase and the solver's progress, ``-vv``
-the solver's own log too.
+process group, so any mesh plans here. ``-v`` logs each phase and the solver's progress (shown
+without it under ``--cap``, whose rounds may take minutes), ``-vv`` the solver's own log too.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from torch.distributed.tensor import Replicate
 from autoplan.plan import Plan, parse_placements_strict
 
 log = logging.getLogger("autoplan")
+# the loggers of a solve's progress (rounds, incumbent, gap, seconds), shown under --cap without -v
+PROGRESS_LOGGERS = ("autoplan.solve.planner", "autoplan.solve.ilp")
 
 
 def _placements(spec: str, ndim: int, what: str) -> tuple:
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="[%(name)s] %(message)s", level=logging.INFO if args.verbose else logging.WARNING)
     if args.verbose > 1:  # autoplan's debug lines and the solver's log, not every library's debug output
         log.setLevel(logging.DEBUG)
+    elif getattr(args, "cap", None) is not None:  # a capped solve may run minutes: show its rounds and gap
+        for name in PROGRESS_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)
     if getattr(args, "dtype", None) and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"autoplan: --dtype must name a torch dtype (e.g. bfloat16), got {args.dtype!r}")
     try:

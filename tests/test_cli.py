@@ -122,7 +122,6 @@ def test_cap_bounds_the_estimated_peak_and_the_solve_logs_its_rounds(tmp_path, c
     assert main([*argv, "-o", str(tmp_path / "free.json")]) == 0
     free = Plan.from_json(tmp_path / "free.json")
     cap = 0.7 * free.memory.peak_bytes
-    caplog.set_level(logging.INFO, logger="autoplan")
     assert main([*argv, "--cap", repr(cap / 2**30), "-o", str(tmp_path / "capped.json")]) == 0
     capped = Plan.from_json(tmp_path / "capped.json")
     assert capped.memory.peak_bytes <= cap < free.memory.peak_bytes

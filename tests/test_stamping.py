@@ -13,6 +13,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 
 from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.trace import stamping
+from autoplan.trace.clustering import find_repeats
 from autoplan.trace.tracing import PATH_KEY, trace_joint
 
 
@@ -142,6 +143,39 @@ def test_blocks_of_one_class_that_differ_are_not_tied(differs):
     assert _same(stamped, full)
     alike = nn.Sequential(nn.Conv1d(8, 8, 1), nn.Sequential(*(Varied(8, 8) for _ in range(n))), nn.Flatten())
     assert trace_joint(alike, lambda: (torch.randn(2, 8, 32),), loss_fn=lambda y: y.square().mean()).stamped == 6
+
+
+class VariedStack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("differs", ["width", "stride", "flag", "submodule"])
+def test_clustering_ties_only_blocks_that_are_alike(differs):
+    """Eight ``Varied`` layers in a ``ModuleList``, one (or, for the width, the last four) built
+    differently: clustering ties layers only where their constructor arguments and input shapes are
+    the same, so the odd layer shares no decision with any other, and alike middle layers are tied."""
+    kw = [dict(c_in=8, c_out=8) for _ in range(8)]
+    if differs == "width":
+        kw[4:] = [dict(c_in=8 if i == 4 else 16, c_out=16) for i in range(4, 8)]
+    else:
+        kw[5][{"stride": "stride", "flag": "flag", "submodule": "extra"}[differs]] = 2 if differs == "stride" else True
+    lengths = [32 // math.prod(k.get("stride", 1) for k in kw[:i]) for i in range(8)]
+    key = {f"layers.{i}": (tuple(sorted(k.items())), lengths[i]) for i, k in enumerate(kw)}
+    tg = trace_joint(
+        VariedStack([Varied(**k) for k in kw]), lambda: (torch.randn(2, 8, 32),), loss_fn=lambda y: y.square().mean()
+    )
+    classes = find_repeats(tg).classes
+    assert classes, "alike middle layers are tied"
+    for members in classes:
+        assert len({key[m] for m in members}) == 1, members
+    assert not any("layers.5" in members for members in classes if differs != "width")
 
 
 def test_stamped_llama_plan_runs_with_single_device_numerics():

@@ -274,7 +274,9 @@ def _check_inputs(flat: list[torch.Tensor], state: _State) -> None:
                 [f"argument {name!r} has shape {tuple(x.shape)}, its shard is {local}"],
                 f"input {i} has shape {tuple(x.shape)}, but each rank must pass its local shard of shape {local}"
                 f" (argument {name!r}: global shape {glob} placed as {placements_str(pl)} on mesh"
-                f" {tuple(state.mesh.shape)})",
+                f" {tuple(state.mesh.shape)}). A plan runs the shapes it was traced with: for another batch"
+                " (an epoch's short last batch, say), plan again with an input_fn giving that shape, or drop the"
+                " short batch (DataLoader(..., drop_last=True))",
             )
 
 
