@@ -55,3 +55,35 @@ def test_an_op_reading_one_node_twice_is_not_taken_for_one_reading_two():
             n.meta["val"] = torch.empty(2, 4, 8, device="meta")
             choices = {a: all_placements(a.meta["val"], (2, 2)) for a in (x, y)}
             assert builder.for_op(n, choices) == StrategyBuilder(mesh)._for_op(n, choices), (order, kind)
+
+
+def test_routing_elementwise_ops_and_factories_have_rules_not_the_replicated_fallback():
+    """``floor_divide`` (a routed row's token: row // top_k) splits its tokens like its input and
+    takes no ``Partial``; a broadcast divisor stays whole. ``arange`` is made whole on every rank.
+    Neither warns that it falls back to running replicated."""
+    import warnings
+
+    import torch.fx as fx
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from autoplan.shard.strategies import all_placements
+
+    mesh = fake_mesh((2, 2), ("a", "b"))
+    g = fx.Graph()
+    rows, k = g.placeholder("rows"), g.placeholder("k")
+    rows.meta["val"] = torch.empty(16, 4, dtype=torch.long, device="meta")
+    k.meta["val"] = torch.empty(4, dtype=torch.long, device="meta")
+    div = g.call_function(torch.ops.aten.floor_divide.default, (rows, k))
+    div.meta["val"] = torch.empty(16, 4, dtype=torch.long, device="meta")
+    ar = g.call_function(torch.ops.aten.arange.default, (16,), {"device": torch.device("meta")})
+    ar.meta["val"] = torch.empty(16, dtype=torch.long, device="meta")
+    choices = {a: all_placements(a.meta["val"], (2, 2)) for a in (rows, k)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = StrategyBuilder(mesh).for_op(div, choices)
+        made = StrategyBuilder(mesh).for_op(ar, {})
+    assert found.source == "autoplan" and made.source == "autoplan"
+    split = {s.outputs[0]: s.inputs for s in found.strategies}
+    assert split[(Shard(0), Shard(1))] == ((Shard(0), Shard(1)), (Replicate(), Shard(0)))
+    assert all(not isinstance(p, Partial) for s in found.strategies for pl in (*s.outputs, *s.inputs) for p in pl)
+    assert [s.outputs[0] for s in made.strategies] == [(Replicate(), Replicate())]

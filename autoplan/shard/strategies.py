@@ -201,12 +201,42 @@ def _grouped_mm_rows(node: fx.Node) -> list[tuple] | None:
     return None
 
 
+def _elementwise_rows(node: fx.Node) -> list[tuple] | None:
+    """An elementwise op that is not linear (``floor_divide`` of routing's token indices, the
+    functional ``copy``): each output dim split alike in every tensor input that spans it, an input
+    broadcast along it (or of fewer dims) whole. No ``Partial``: a sum's parts do not divide apart."""
+    out = node.meta["val"]
+    if not isinstance(out, torch.Tensor):
+        return None
+    inputs = [a.meta["val"] for a in tensor_inputs(node)]
+    rows = []
+    for d in range(out.dim()):
+        row = [Shard(d)]
+        for x in inputs:
+            own = d - (out.dim() - x.dim())
+            row.append(Shard(own) if own >= 0 and x.shape[own] == out.shape[d] else Replicate())
+        rows.append(tuple(row))
+    return rows
+
+
+def _factory_rows(node: fx.Node) -> list[tuple]:
+    """A tensor made from nothing (``arange``, ``zeros``, a lifted constant): every rank makes it whole."""
+    return []
+
+
 # Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...),
 # or None where DTensor's rule serves. DTensor's GPU attention rules cannot take the RNG and
-# integer values their backward reads; its grouped matmul rules never split the experts.
+# integer values their backward reads; its grouped matmul rules never split the experts; it has
+# no rule for some elementwise ops routing uses, nor for tensors made from nothing.
 _OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple] | None]] = {
     **dict.fromkeys(attention.SDPA_OPS, _sdpa_rows),
     **dict.fromkeys(grouped_mm.GROUPED_MM, _grouped_mm_rows),
+    **dict.fromkeys((aten.floor_divide.default, aten.remainder.Tensor, aten.copy.default), _elementwise_rows),
+    **dict.fromkeys(
+        (aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default)
+        + (aten.full.default, aten.scalar_tensor.default, aten.lift_fresh_copy.default),
+        _factory_rows,
+    ),
 }
 
 
