@@ -181,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="[%(name)s] %(message)s", level=logging.INFO if args.verbose else logging.WARNING)
     if args.verbose > 1:  # autoplan's debug lines and the solver's log, not every library's debug output
         log.setLevel(logging.DEBUG)
-    elif getattr(args, "cap", None) is not None:  # a capped solve may run minutes: show its rounds and gap
-        for name in PROGRESS_LOGGERS:
-            logging.getLogger(name).setLevel(logging.INFO)
+    # a capped solve may run minutes: show its rounds and gap (set on every call, as loggers outlive it)
+    shown = getattr(args, "cap", None) is not None and not args.verbose
+    for name in PROGRESS_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO if shown else logging.NOTSET)
     if getattr(args, "dtype", None) and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise SystemExit(f"autoplan: --dtype must name a torch dtype (e.g. bfloat16), got {args.dtype!r}")
     try:

@@ -75,6 +75,7 @@ def test_uneven_dim0_falls_back_to_dim1_on_the_outer_mesh_dims():
     assert fit_to_shapes(hand_plan_pins("fsdp", 2), params, (16, 8)) == hand_plan_pins("fsdp", 2)  # 1002 rows each
 
 
+@pytest.mark.slow  # ~85 s: seven plans of a mixture of experts
 def test_moe_hand_plans_include_expert_parallel_and_the_ilp_is_no_worse():
     """A mixture of experts gets its experts pinned in every hand plan (FSDP+TP splits them inside each
     expert, and its dense layers and shared expert as LLaMA's) and two plans more, FSDP+EP
