@@ -5,6 +5,7 @@
     autoplan show plan.json
     autoplan explain plan.json "layers.*.attention" [--all]
     autoplan diff a.json b.json
+    autoplan calibrate --out profile.json        (torchrun --nproc-per-node N -m autoplan.cli calibrate: links too)
 
 A factory (``module:function``, found from the current folder too) returns ``(model, input_fn)``;
 build the model on the meta device so that planning needs no memory. Planning runs on a fake
@@ -97,6 +98,37 @@ def _seconds(timings: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.2f}s" for k, v in timings.items())
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this host's device (and, under torchrun, its links) and write the profile on rank 0."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from autoplan.cost.calibrate import CalibrateOptions, calibrate, write_profile
+
+    cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    started = time.perf_counter()
+
+    def say(line: str) -> None:
+        if rank == 0:
+            print(f"[{time.perf_counter() - started:5.1f} s] {line}", flush=True)
+
+    profile, measured = calibrate(device, None, CalibrateOptions(fast=args.fast, name=args.name), say)
+    if rank == 0:
+        write_profile(args.out, profile, measured)
+        say(f"wrote {args.out} ({profile.name}); plan with device_profile={args.out!r} or --device-profile {args.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     print(Plan.from_json(args.plan).summary())
     return 0
@@ -154,10 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap each device's estimated peak memory of a step at GIB GiB (parameters, gradients, optimizer"
         " states, activations)",
     )
-    p.add_argument("--device-profile", choices=sorted(DEVICE_PROFILES), default="h100")
+    p.add_argument(
+        "--device-profile",
+        default="h100",
+        help=f"{', '.join(sorted(DEVICE_PROFILES))} or a profile JSON (autoplan calibrate --out)",
+    )
     p.add_argument("--attention", default="auto", help="auto, flash, efficient, cudnn or math")
     p.add_argument("-o", "--out", default=None, help="write the plan to this JSON file")
     p.set_defaults(run=cmd_plan)
+    c = sub.add_parser(
+        "calibrate",
+        parents=[common],
+        help="measure this machine's matmuls, memory, launch floor and (under torchrun) collectives into a profile",
+    )
+    c.add_argument("--out", default="profile.json", help="where to write the profile JSON")
+    c.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when there is one")
+    c.add_argument("--fast", action="store_true", help="smaller sizes and fewer repeats (a second or two)")
+    c.add_argument("--name", default=None, help="the profile's name (default: the device's)")
+    c.set_defaults(run=cmd_calibrate)
     s = sub.add_parser("show", parents=[common], help="print a saved plan's summary")
     s.add_argument("plan")
     s.set_defaults(run=cmd_show)

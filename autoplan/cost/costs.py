@@ -89,7 +89,7 @@ def work_split(
 
 def roofline_seconds(flops: float, nbytes: float, dtype: torch.dtype, profile: DeviceProfile) -> float:
     """One kernel: bound by compute or HBM traffic, whichever is slower, never faster than a launch."""
-    compute = flops / (profile.flops_for(dtype) * profile.compute_efficiency)
+    compute = flops / (profile.flops_for(dtype) * profile.efficiency_at(flops))
     memory = nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency)
     return max(compute, memory) + profile.kernel_launch
 

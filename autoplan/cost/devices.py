@@ -7,9 +7,13 @@ sparsity); link bandwidths are per direction.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -38,6 +42,27 @@ class DeviceProfile:
     bandwidth_efficiency: float  # achievable fraction of HBM / link bandwidth
     kernel_launch: float  # floor per launched kernel, s
     nvls: bool = False  # the node's switch reduces in-network (NVLink SHARP): all-reduce moves each byte once
+    # measured (``autoplan calibrate``): (FLOPs of one kernel, fraction of the peak it reaches), by size;
+    # empty: every kernel reaches ``compute_efficiency``
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
+
+    def efficiency_at(self, flops: float) -> float:
+        """The fraction of the peak a kernel of ``flops`` reaches: ``compute_efficiency`` times the
+        measured curve, linear in log FLOPs between its points and flat past its ends."""
+        curve = self.matmul_efficiency
+        if not curve:
+            return self.compute_efficiency
+        xs = [math.log(f) for f, _ in curve]
+        x = math.log(max(flops, 1.0))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            fraction = curve[0][1]
+        elif i == len(xs):
+            fraction = curve[-1][1]
+        else:
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            fraction = curve[i - 1][1] + t * (curve[i][1] - curve[i - 1][1])
+        return self.compute_efficiency * fraction
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``; unlisted dtypes (ints, bool, complex) get the slowest listed rate, to be safe."""
@@ -170,13 +195,48 @@ DEVICE_PROFILES = {
 }
 
 
-def resolve_profile(profile: str | DeviceProfile) -> DeviceProfile:
-    """A profile given by name (``"h200"``, case-insensitive) or passed in as is."""
+PROFILE_FORMAT = "autoplan-device-profile"
+PROFILE_VERSION = 1
+
+
+def profile_to_json(profile: DeviceProfile, measured: dict | None = None) -> str:
+    """The versioned JSON of a profile, with what was measured to make it (``autoplan calibrate``)."""
+    fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)}
+    doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "profile": fields, "measured": measured or {}}
+    return json.dumps(doc, indent=1)
+
+
+def profile_from_json(path: str | Path) -> DeviceProfile:
+    """A profile written by ``profile_to_json``; another format, another version or an unknown
+    field is refused by name."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ConstraintError(f"{path}: not an autoplan device profile (no 'format': {PROFILE_FORMAT!r})")
+    if data.get("version") != PROFILE_VERSION:
+        raise ConstraintError(
+            f"{path}: device profile version {data.get('version')}; this autoplan reads version {PROFILE_VERSION}"
+        )
+    fields = dict(data["profile"])
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(DeviceProfile)})
+    if unknown:
+        raise ConstraintError(f"{path}: unknown device profile fields {unknown}")
+    for key in ("peak_flops", "matmul_efficiency"):
+        fields[key] = tuple(tuple(pair) for pair in fields.get(key, ()))
+    return DeviceProfile(**fields)
+
+
+def resolve_profile(profile: str | Path | DeviceProfile) -> DeviceProfile:
+    """A profile given by name (``"h200"``, case-insensitive), by the path of a profile JSON
+    (``autoplan calibrate --out``), or passed in as is."""
     if isinstance(profile, DeviceProfile):
         return profile
     if isinstance(profile, str) and profile.lower() in DEVICE_PROFILES:
         return DEVICE_PROFILES[profile.lower()]
+    if isinstance(profile, (str, Path)) and str(profile).endswith(".json"):
+        if not Path(profile).is_file():
+            raise ConstraintError(f"no device profile file {str(profile)!r} (autoplan calibrate writes one)")
+        return profile_from_json(profile)
     raise ConstraintError(
-        f"unknown device profile {profile!r}: use one of {', '.join(sorted(DEVICE_PROFILES))} "
-        "or pass an autoplan.DeviceProfile"
+        f"unknown device profile {profile!r}: use one of {', '.join(sorted(DEVICE_PROFILES))}, "
+        "the path of a profile JSON (autoplan calibrate --out) or an autoplan.DeviceProfile"
     )

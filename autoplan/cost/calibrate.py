@@ -1,0 +1,236 @@
+"""Measure the machine at hand and write a device profile the cost model prices plans with.
+
+The built-in profiles (``autoplan.cost.devices``) are datasheet figures for clusters that are not
+at hand. ``calibrate`` times this host's device instead:
+
+- matmuls of several sizes per dtype: the fastest is the dtype's peak, and each size's fraction of
+  it becomes the profile's ``matmul_efficiency`` curve (small matmuls reach less of the peak);
+- a large copy: the memory bandwidth that memory-bound ops stream at;
+- a one-element op: the launch and dispatch floor every kernel pays;
+- with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
+  all-to-all at several sizes on the real backend, fitted to the cost model's own alpha-beta
+  formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link.
+
+Every rank measures; rank 0's numbers are written (``devices.profile_to_json``) with the raw tables, and
+``devices.resolve_profile`` loads the file back wherever a profile name is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autoplan.cost.devices import CPU_GLOO, H100_SXM, DeviceProfile, dtype_name, profile_to_json
+from autoplan.cost.network import CollectiveKind, flat_collective_seconds
+
+COLLECTIVES: tuple[CollectiveKind, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """What to measure: ``fast`` takes smaller sizes and fewer repeats (seconds, for tests)."""
+
+    fast: bool = False
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    name: str | None = None  # the profile's name; default from the device
+
+    @property
+    def matmul_sizes(self) -> tuple[int, ...]:
+        return (64, 128, 256, 512) if self.fast else (128, 256, 512, 1024, 2048)
+
+    @property
+    def collective_bytes(self) -> tuple[int, ...]:
+        return (2**12, 2**16, 2**20) if self.fast else (2**12, 2**15, 2**18, 2**21, 2**23)
+
+    @property
+    def copy_bytes(self) -> int:
+        return 2**24 if self.fast else 2**27
+
+    @property
+    def repeats(self) -> int:
+        return 3 if self.fast else 7
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner: int = 1) -> float:
+    """The median over ``repeats`` timings of ``inner`` calls of ``fn``, per call, after a warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> dict:
+    """Per dtype name: ``[(n, FLOPs of one n x n x n matmul, FLOP/s)]``."""
+    table = {}
+    for dtype in opts.dtypes:
+        rows = []
+        for n in opts.matmul_sizes:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            flops = 2.0 * n**3
+            inner = max(1, int(2e8 // flops)) if device.type == "cpu" else max(1, int(2e11 // flops))
+            s = _seconds(lambda a=a, b=b: torch.mm(a, b), device, opts.repeats, inner)
+            rows.append((n, flops, flops / s))
+            say(f"matmul {dtype_name(dtype)} {n}x{n}: {flops / s / 1e9:.1f} GFLOP/s")
+        table[dtype_name(dtype)] = rows
+    return table
+
+
+def measure_memory(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> tuple[float, float]:
+    """(bytes/s a copy streams at, counting what it reads and writes; seconds of a one-element op)."""
+    src = torch.empty(opts.copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    s = _seconds(lambda: dst.copy_(src), device, opts.repeats, inner=4)
+    bandwidth = 2 * opts.copy_bytes / s
+    one = torch.ones(1, device=device)
+    launch = _seconds(lambda: one.add(one), device, opts.repeats, inner=200)
+    say(f"copy: {bandwidth / 1e9:.1f} GB/s; one-element op: {launch * 1e6:.1f} us")
+    return bandwidth, launch
+
+
+def _collective(kind: CollectiveKind, nbytes: int, group, device: torch.device) -> Callable[[], object]:
+    n = dist.get_world_size(group)
+    numel = max(n, nbytes // 4 // n * n)  # the full logical tensor, a multiple of the group size
+    full = torch.ones(numel, device=device)
+    shard = torch.ones(numel // n, device=device)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    out = torch.empty_like(full)
+    return lambda: dist.all_to_all_single(out, full, group=group)
+
+
+def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> list:
+    """``[(kind, group size, bytes of the full tensor, seconds)]`` on ``group``, every rank timing alike."""
+    n = dist.get_world_size(group)
+    rows = []
+    warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)  # 2.13's renames
+    for kind in COLLECTIVES:
+        for nbytes in opts.collective_bytes:
+            fn = _collective(kind, nbytes, group, device)
+            dist.barrier(group=group)
+            s = _seconds(fn, device, opts.repeats, inner=3)
+            rows.append((kind, n, nbytes, s))
+            say(f"{kind} over {n} ranks, {nbytes / 2**10:.0f} KiB: {s * 1e6:.0f} us")
+    return rows
+
+
+def fit_link(rows: list) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) that best fit ``rows`` of (kind, n, bytes, seconds) under the
+    cost model's formulas (ring all-reduce), by least squares on relative error: each formula is
+    ``latency * a + bytes_term / bandwidth`` with ``a`` and ``bytes_term`` read off at unit values."""
+    coeffs, times = [], []
+    for kind, n, nbytes, s in rows:
+        steps = flat_collective_seconds(kind, n, 0.0, 1.0, 1.0)  # latency steps (bytes 0)
+        per_byte = flat_collective_seconds(kind, n, float(nbytes), 1.0, 0.0)  # bytes moved over unit bandwidth
+        if kind == "all_reduce":  # the ring's terms, the algorithm a few ranks run
+            steps, per_byte = 2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes
+        coeffs.append((steps / s, per_byte / s))
+        times.append(1.0)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(coeffs), np.array(times), rcond=None)
+    alpha = max(float(alpha), 1e-7)
+    inv_beta = max(float(inv_beta), 1e-13)
+    return alpha, 1.0 / inv_beta
+
+
+def efficiency_curve(rows: list) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """(peak FLOP/s: the fastest size, ``[(FLOPs, fraction of the peak)]`` per size)."""
+    peak = max(rate for _, _, rate in rows)
+    return peak, tuple((flops, rate / peak) for _, flops, rate in rows)
+
+
+def calibrate(
+    device: torch.device | str = "cpu",
+    group=None,
+    opts: CalibrateOptions | None = None,
+    say: Callable[[str], None] = lambda line: None,
+) -> tuple[DeviceProfile, dict]:
+    """Measure ``device`` (and ``group``'s collectives when it has several ranks) and return the
+    profile and the raw measurements. Starts from the built-in profile of the device's kind (the
+    ``cpu`` or ``h100`` one) and replaces what was measured; the links of a single process stay
+    the built-in ones (there is nothing to measure them on)."""
+    opts = opts or CalibrateOptions()
+    device = torch.device(device)
+    base = CPU_GLOO if device.type == "cpu" else H100_SXM
+    dtypes = tuple(d for d in opts.dtypes if device.type == "cuda" or d in (torch.float32, torch.bfloat16))
+    opts = dataclasses.replace(opts, dtypes=dtypes)
+    matmuls = measure_matmuls(device, opts, say)
+    bandwidth, launch = measure_memory(device, opts, say)
+    peak_flops = []
+    curves = {}
+    for name, rows in matmuls.items():
+        peak, curve = efficiency_curve(rows)
+        peak_flops.append((name, peak))
+        curves[name] = curve
+    reference = dtype_name(opts.dtypes[0])
+    profile = dataclasses.replace(
+        base,
+        name=opts.name or _device_name(device),
+        peak_flops=tuple(peak_flops),
+        matmul_efficiency=curves[reference],
+        compute_efficiency=1.0,
+        hbm_bandwidth=bandwidth,
+        bandwidth_efficiency=1.0,
+        kernel_launch=launch,
+        memory_bytes=_memory_bytes(device),
+    )
+    measured: dict = {"matmul": matmuls, "copy_bytes_per_s": bandwidth, "launch_s": launch}
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1 and dist.get_backend(group) != "fake":  # a planning host's fake group moves nothing
+        rows = measure_collectives(group, device, opts, say)
+        latency, link = fit_link(rows)
+        say(f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s")
+        profile = dataclasses.replace(
+            profile,
+            intra_node_latency=latency,
+            intra_node_bandwidth=link,
+            gpus_per_node=max(world, profile.gpus_per_node) if device.type == "cpu" else profile.gpus_per_node,
+            nvls=False,
+        )
+        measured["collectives"] = rows
+        measured["link_fit"] = {"latency_s": latency, "bandwidth_bytes_per_s": link}
+    return profile, measured
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"calibrated {torch.cuda.get_device_name(device)}"
+    return f"calibrated cpu ({torch.get_num_threads()} threads)"
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+        return kib * 1024
+    except (OSError, StopIteration):
+        return CPU_GLOO.memory_bytes
+
+
+def write_profile(path: str | Path, profile: DeviceProfile, measured: dict | None = None) -> None:
+    Path(path).write_text(profile_to_json(profile, measured))

@@ -1,0 +1,112 @@
+"""``autoplan calibrate``: the profile it measures loads back wherever a profile name goes, prices
+plans differently from the built-in one, and fits the links of real gloo processes."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from conftest import fake_mesh
+from gloo import run_gloo
+from models import MLP
+from torch.distributed.tensor import Replicate, Shard
+
+from autoplan import AutoParallel
+from autoplan.cli import main
+from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_link
+from autoplan.cost.devices import CPU_GLOO, profile_from_json, profile_to_json, resolve_profile
+from autoplan.cost.network import flat_collective_seconds
+from autoplan.errors import ConstraintError
+
+
+def _plan(profile, inputs=None):
+    """An MLP whose matmuls are compute-bound on a CPU (8.6 GFLOP each) on a fake 4-way mesh."""
+    with torch.device("meta"):
+        model = MLP(1024, 4096, 1024)
+    with AutoParallel(model, fake_mesh((4,)), lambda: torch.randn(1024, 1024), device_profile=profile) as ap:
+        if inputs is not None:
+            ap.add_input_constraints([inputs])
+        return ap.optimize_placement()
+
+
+def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--fast", "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "matmul float32" in printed and f"wrote {out}" in printed
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "autoplan-device-profile" and doc["version"] == 1 and doc["measured"]["matmul"]
+    profile = profile_from_json(out)
+    assert profile.name.startswith("calibrated cpu") and profile.compute_efficiency == 1.0
+    curve = profile.matmul_efficiency
+    assert len(curve) == 4 and max(f for _, f in curve) == 1.0 and all(0 < f <= 1 for _, f in curve)
+    assert profile.efficiency_at(curve[0][0]) == curve[0][1] and profile.efficiency_at(1e30) == curve[-1][1]
+    assert resolve_profile(str(out)) == profile
+    plan = _plan(str(out), (Shard(0),))
+    assert plan.device == profile.name and plan.cost.total > 0
+
+
+def test_a_changed_profile_changes_the_costs_and_where_it_should_the_plan(tmp_path):
+    """Matmuls reaching a tenth of the peak price the step's compute several times higher. Links
+    as fast as memory make splitting the batch pay; links a million times slower than gloo's make
+    every rank compute the whole step itself (nothing pins the input)."""
+
+    def write(name, **changes):
+        path = tmp_path / f"{name}.json"
+        path.write_text(profile_to_json(dataclasses.replace(CPU_GLOO, name=name, **changes)))
+        return str(path)
+
+    def compute(plan):
+        return plan.cost.compute_forward + plan.cost.compute_backward
+
+    quick = _plan(write("quick", matmul_efficiency=((1e3, 1.0), (1e12, 1.0))), (Shard(0),))
+    slow = _plan(write("slow", matmul_efficiency=((1e3, 0.1), (1e12, 0.1))), (Shard(0),))
+    assert compute(slow) > 5 * compute(quick)
+    fast_links = _plan(write("fast", intra_node_bandwidth=1e15, intra_node_latency=0.0))
+    slow_links = _plan(write("slow_links", intra_node_bandwidth=1e4, intra_node_latency=1.0))
+    assert fast_links.cost.comm > 0 and compute(fast_links) < compute(slow_links) / 2
+    assert slow_links.cost.comm == 0 and all(p == (Replicate(),) for p in slow_links.param_placements.values())
+
+
+def test_a_profile_file_that_is_not_one_is_refused_by_name(tmp_path):
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"format": "something", "version": 1}))
+    with pytest.raises(ConstraintError, match="not an autoplan device profile"):
+        resolve_profile(str(bad))
+    newer = tmp_path / "newer.json"
+    newer.write_text(profile_to_json(CPU_GLOO).replace('"version": 1', '"version": 99'))
+    with pytest.raises(ConstraintError, match="version 99"):
+        resolve_profile(str(newer))
+    with pytest.raises(ConstraintError, match="no device profile file"):
+        resolve_profile(str(tmp_path / "missing.json"))
+
+
+def test_the_link_fit_recovers_latency_and_bandwidth_from_the_cost_models_own_times():
+    rows = [
+        (
+            kind,
+            n,
+            nbytes,
+            flat_collective_seconds(kind, n, nbytes, 2e9, 40e-6)
+            if kind != "all_reduce"
+            else 2 * (n - 1) * 40e-6 + 2 * (n - 1) / n * nbytes / 2e9,
+        )
+        for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+        for n in (2, 4)
+        for nbytes in (2**12, 2**16, 2**20, 2**23)
+    ]
+    latency, bandwidth = fit_link(rows)
+    assert latency == pytest.approx(40e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+
+
+def _calibrate_rank(rank: int):
+    profile, measured = calibrate("cpu", opts=CalibrateOptions(fast=True, dtypes=(torch.float32,)))
+    return profile.intra_node_latency, profile.intra_node_bandwidth, len(measured["collectives"])
+
+
+def test_calibration_on_two_gloo_processes_fits_their_link():
+    (latency, bandwidth, rows), _ = run_gloo(_calibrate_rank, 2)
+    assert rows == 4 * 3  # four collectives at three sizes
+    assert math.isfinite(latency) and 0 < latency < 0.1 and math.isfinite(bandwidth) and bandwidth > 1e6
+    assert (latency, bandwidth) != (CPU_GLOO.intra_node_latency, CPU_GLOO.intra_node_bandwidth)
