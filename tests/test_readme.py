@@ -32,6 +32,7 @@ import pytest
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 from autoplan import Plan
+from autoplan.cost.devices import resolve_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -125,7 +126,10 @@ def check_parses(words: list[str]) -> None:
         build_parser().parse_args(words[1:])
     elif words[0] == "torchrun":
         args = torchrun_parser().parse_args(words[1:])
-        _script_parser(args.training_script).parse_args(args.training_script_args)
+        module = importlib.import_module(args.training_script) if args.module else None
+        (module.build_parser() if module else _script_parser(args.training_script)).parse_args(
+            args.training_script_args
+        )
     elif words[1:3] == ["-m", "pytest"]:
         _check_pytest(words[3:])
     elif words[1] == "-m":
@@ -194,6 +198,10 @@ def check_output(command: str, out: str, cwd: Path) -> None:
         assert "chosen" in out and "views, aliases and tuple items left out" in out
     elif words[:2] == ["autoplan", "diff"]:
         assert out.startswith("cost (ms)")  # two plans of one model and mesh: no warning
+    elif "calibrate" in words:  # autoplan calibrate, or under torchrun: a profile that loads, links fitted if N > 1
+        out_file = words[words.index("--out") + 1] if "--out" in words else "profile.json"
+        assert resolve_profile(str(cwd / out_file)).name.startswith("calibrated") and f"wrote {out_file}" in out
+        assert ("link fit" in out) == (words[0] == "torchrun")
     elif "--execute" in words:
         assert "losses match single-device" in out
     elif words[0] == "torchrun":
