@@ -13,6 +13,7 @@ from models import MLP
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import AutoParallel
+from autoplan.bench.validate import kendall_tau
 from autoplan.cli import main
 from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_link
 from autoplan.cost.devices import CPU_GLOO, profile_from_json, profile_to_json, resolve_profile
@@ -110,3 +111,30 @@ def test_calibration_on_two_gloo_processes_fits_their_link():
     assert rows == 4 * 3  # four collectives at three sizes
     assert math.isfinite(latency) and 0 < latency < 0.1 and math.isfinite(bandwidth) and bandwidth > 1e6
     assert (latency, bandwidth) != (CPU_GLOO.intra_node_latency, CPU_GLOO.intra_node_bandwidth)
+
+
+def test_kendall_tau_counts_agreeing_pairs():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def _validate_rank(rank: int, out: str):
+    from autoplan.bench import main as bench_main
+
+    argv = ["validate", "--model", "llama3-debug", "--layers", "1", "--plans", "autoplan,ddp,fsdp", "--steps", "2"]
+    return bench_main([*argv, "--json", out])
+
+
+@pytest.mark.slow  # ~40 s: three plans made and run on two gloo processes
+def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_measured(tmp_path):
+    out = tmp_path / "validate.json"
+    assert run_gloo(_validate_rank, 2, str(out)) == [0, 0]
+    result = json.loads(out.read_text())
+    assert result["mesh"] == [2] and [r["plan"] for r in result["plans"]] == ["autoplan", "ddp", "fsdp"]
+    for r in result["plans"]:
+        assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and len(r["steps_ms"]) == 2
+        assert r["measured_compute_ms"] > 0 and r["error"] == pytest.approx(
+            (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+        )
+    assert -1 <= result["kendall_tau"] <= 1

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from autoplan.adapters.inductor import profile_cpp_kernels
+from autoplan.bench import validate
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.workloads import fake_mesh, model_batch, model_config, named_model, parse_mesh
 
@@ -535,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
         c._add_action(action)
     c.add_argument("--layers", type=int, default=None, help="override the config's number of layers")
     c.add_argument("--device-profile", default="h100", help="a built-in profile name or a profile JSON")
+    validate.add_parser(sub)
     return parser
 
 
@@ -548,14 +550,17 @@ def main(argv: list[str] | None = None) -> int:
         "overhead": run_overhead,
         "memory": run_memory,
         "compare": run_compare,
+        "validate": validate.run_validate,
     }
     try:  # a bad model, mesh or layer count: say so up front, not in a traceback
-        parse_mesh(args.mesh)
-        model_config(args.model, getattr(args, "layers", None))
+        if args.mesh is not None:
+            parse_mesh(args.mesh)
+        if ":" not in args.model:
+            model_config(args.model, getattr(args, "layers", None))
     except ValueError as e:
         raise SystemExit(f"autoplan.bench: {e}") from None
     result = runners[args.cmd](args)
-    if args.json:
+    if args.json and result is not None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.json}")

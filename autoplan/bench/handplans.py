@@ -152,6 +152,24 @@ def fit_to_shapes(pins: list, params: dict[str, torch.Tensor], mesh_shape: tuple
     return out
 
 
+def hand_plan(ap, name: str, ndim: int):
+    """``ap``'s plan under the pins of hand plan ``name`` (those its model has parts for, fitted to
+    its shapes), removed again afterwards; ``AutoplanError`` when the shapes cannot take it."""
+    params = {fqn: n.meta["val"] for fqn, n in ap.traced.placeholder_for("param").items()}
+    moe = any(fnmatch.fnmatchcase(fqn, EXPERTS) and params[fqn].dim() == 3 for fqn in params)
+    modules = {n.meta.get(PATH_KEY) or "" for n in ap.traced.gm.graph.nodes}
+    added = []
+    try:
+        pins = [(t, p) for t, p in hand_plan_pins(name, ndim, moe) if _applies(t, params, modules)]
+        for target, placements in fit_to_shapes(pins, params, tuple(ap.mesh.shape)):
+            ap.add_node_constraint(target, placements)
+            added.append(target)
+        return ap.optimize_placement()
+    finally:
+        for target in added:
+            ap.remove_node_constraint(target)
+
+
 def compare_plans(ap, ndim: int) -> list[dict]:
     """The ILP's plan and each hand plan that ``ap``'s mesh can express, under ``ap``'s other
     constraints and one cost model: one row each, the ILP's first (``python -m autoplan.bench
@@ -160,23 +178,14 @@ def compare_plans(ap, ndim: int) -> list[dict]:
     rows, plans = [], {}
     params = {fqn: n.meta["val"] for fqn, n in ap.traced.placeholder_for("param").items()}
     moe = any(fnmatch.fnmatchcase(fqn, EXPERTS) and params[fqn].dim() == 3 for fqn in params)
-    modules = {n.meta.get(PATH_KEY) or "" for n in ap.traced.gm.graph.nodes}
     for name in hand_plans(ndim, moe):
-        added = []
         t0 = time.perf_counter()
         try:
-            pins = [(t, p) for t, p in hand_plan_pins(name, ndim, moe) if _applies(t, params, modules)]
-            for target, placements in fit_to_shapes(pins, params, tuple(ap.mesh.shape)):
-                ap.add_node_constraint(target, placements)
-                added.append(target)
-            plans[name] = ap.optimize_placement()
+            plans[name] = hand_plan(ap, name, ndim)
         except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
             rows.append({"plan": name, "error": str(e).splitlines()[0]})
         else:
             rows.append(_row(name, plans[name], ap, time.perf_counter() - t0))
-        finally:
-            for target in added:
-                ap.remove_node_constraint(target)
     t0 = time.perf_counter()
     best = min(plans.values(), key=lambda p: p.cost.total, default=None)
     return [_row("autoplan", ap.optimize_placement(start=best), ap, time.perf_counter() - t0), *rows]

@@ -5,7 +5,7 @@ at hand. ``calibrate`` times this host's device instead:
 
 - matmuls of several sizes per dtype: the fastest is the dtype's peak, and each size's fraction of
   it becomes the profile's ``matmul_efficiency`` curve (small matmuls reach less of the peak);
-- a large copy: the memory bandwidth that memory-bound ops stream at;
+- a large elementwise product: the memory bandwidth that memory-bound ops stream at;
 - a one-element op: the launch and dispatch floor every kernel pays;
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
   all-to-all at several sizes on the real backend, fitted to the cost model's own alpha-beta
@@ -52,7 +52,7 @@ class CalibrateOptions:
         return (2**12, 2**16, 2**20) if self.fast else (2**12, 2**15, 2**18, 2**21, 2**23)
 
     @property
-    def copy_bytes(self) -> int:
+    def stream_bytes(self) -> int:
         return 2**24 if self.fast else 2**27
 
     @property
@@ -97,14 +97,15 @@ def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[
 
 
 def measure_memory(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> tuple[float, float]:
-    """(bytes/s a copy streams at, counting what it reads and writes; seconds of a one-element op)."""
-    src = torch.empty(opts.copy_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    s = _seconds(lambda: dst.copy_(src), device, opts.repeats, inner=4)
-    bandwidth = 2 * opts.copy_bytes / s
-    one = torch.ones(1, device=device)
-    launch = _seconds(lambda: one.add(one), device, opts.repeats, inner=200)
-    say(f"copy: {bandwidth / 1e9:.1f} GB/s; one-element op: {launch * 1e6:.1f} us")
+    """(bytes/s an elementwise op streams at, counting what it reads and writes; seconds of a
+    one-element op called as the lowered program calls ops, through its ``OpOverload``)."""
+    a = torch.rand(opts.stream_bytes // 4, device=device)
+    b, out = torch.rand_like(a), torch.empty_like(a)
+    s = _seconds(lambda: torch.mul(a, b, out=out), device, opts.repeats, inner=4)
+    bandwidth = 3 * opts.stream_bytes / s
+    one, add = torch.ones(1, device=device), torch.ops.aten.add.Tensor
+    launch = _seconds(lambda: add(one, one), device, opts.repeats, inner=200)
+    say(f"elementwise: {bandwidth / 1e9:.1f} GB/s; one-element op: {launch * 1e6:.1f} us")
     return bandwidth, launch
 
 
@@ -197,7 +198,7 @@ def calibrate(
         kernel_launch=launch,
         memory_bytes=_memory_bytes(device),
     )
-    measured: dict = {"matmul": matmuls, "copy_bytes_per_s": bandwidth, "launch_s": launch}
+    measured: dict = {"matmul": matmuls, "elementwise_bytes_per_s": bandwidth, "launch_s": launch}
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1 and dist.get_backend(group) != "fake":  # a planning host's fake group moves nothing
         rows = measure_collectives(group, device, opts, say)

@@ -1,0 +1,212 @@
+"""``python -m autoplan.bench validate``: plans run for real, the cost model's prediction beside the
+measured step.
+
+Every rank of the current process group (gloo processes on CPU, NCCL under ``torchrun`` on GPUs; a
+single process when started plainly) plans the model on the real mesh, the ILP's plan and the hand
+plans asked for, then runs each for a few training steps. The plans take turns step by step, so
+whatever drifts on the machine (its clock, other work) hits all of them alike; a step's time is
+the slowest rank's, and a plan's is the median of its steps. Each plan also runs with its
+collectives made free (``collective_free``): what is left is the rank's own compute, so the error
+splits into compute (predicted compute against the collective-free step) and communication with
+overlap (the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from autoplan.bench.collective_free import collective_free_executor
+from autoplan.bench.handplans import hand_plan, hand_plans
+from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
+
+
+@dataclass
+class _Run:
+    """One plan made runnable: its parallel module, both executors and what it predicted."""
+
+    name: str
+    plan: object
+    pmod: torch.nn.Module
+    real: object
+    free: object
+    opt: torch.optim.Optimizer
+    steps: list[float]
+    free_steps: list[float]
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two orderings of the same items: 1 when every pair agrees."""
+    n = len(a)
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    if not pairs:
+        return 1.0
+    score = sum(
+        1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0 for i, j in pairs
+    )
+    return score / len(pairs)
+
+
+def _process_group(device: str) -> None:
+    """The current process group, or a one-process gloo/NCCL group when started without torchrun."""
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _model(args: argparse.Namespace, ndim: int, dp: int) -> tuple[Callable, Callable]:
+    """(a builder of the model on the meta device, ``input_fn``) for a named model or a factory."""
+    if ":" in args.model:
+        return (lambda: load_factory(args.model)[0]), load_factory(args.model)[1]
+    cfg = model_config(args.model, args.layers, ndim)
+    batch, seq = args.batch or max(2 * dp, 2), args.seq or min(256, cfg.max_seq_len)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return (lambda: named_model(args.model, getattr(torch, args.dtype), args.layers, ndim)[0]), (lambda: tokens)
+
+
+def _prepare(name: str, build, input_fn, mesh, args, device: str) -> _Run:
+    from autoplan import AutoParallel
+
+    ndim = mesh.ndim
+    io = (Shard(0),) + (Replicate(),) * (ndim - 1)
+    with AutoParallel(build(), mesh, input_fn, device_profile=args.profile) as ap:
+        ap.add_input_constraints([io])
+        ap.add_output_constraints([io])
+        plan = ap.optimize_placement() if name == "autoplan" else hand_plan(ap, name, ndim)
+        pmod = ap.apply_placement(plan)
+        lowered = ap.lowered
+    pmod.to_empty(device=device)
+    torch.manual_seed(0)
+    if hasattr(pmod, "init_weights"):
+        pmod.init_weights()
+    else:
+        with torch.no_grad():
+            for p in pmod.parameters():
+                p.normal_(0.0, 0.02)
+    real = pmod._autoplan.executor
+    collective_free_executor(pmod, lowered, None)
+    free = pmod._autoplan.executor
+    pmod._autoplan.executor = real
+    opt = torch.optim.AdamW(pmod.parameters(), lr=1e-4)
+    return _Run(name, plan, pmod, real, free, opt, [], [])
+
+
+def _step(run: _Run, local: torch.Tensor, device: str, free: bool) -> float:
+    """One training step of ``run`` on this rank's ``local`` batch, timed between two barriers."""
+    run.pmod._autoplan.executor = run.free if free else run.real
+    dist.barrier()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = run.pmod(local)
+    out.float().pow(2).mean().backward()
+    run.opt.step()
+    run.opt.zero_grad()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    run.pmod._autoplan.executor = run.real
+    return seconds
+
+
+def run_validate(args: argparse.Namespace) -> dict | None:
+    """Plan, run and compare (see the module's docstring); rank 0 prints and returns the numbers
+    (written by ``--json``), the other ranks ``None``."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _process_group(device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shape = parse_mesh(args.mesh) if args.mesh else (world,)
+    if torch.Size(shape).numel() != world:
+        raise SystemExit(f"validate: mesh {args.mesh} has {torch.Size(shape).numel()} ranks; the process group {world}")
+    mesh = init_device_mesh(device, shape, mesh_dim_names=MESH_DIM_NAMES[: len(shape)])
+    build, input_fn = _model(args, len(shape), shape[0])
+    names = args.plans.split(",") if args.plans else ["autoplan", *hand_plans(len(shape))]
+    runs = [_prepare(name, build, input_fn, mesh, args, device) for name in names]
+    io = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+    local = distribute_tensor(input_fn().to(device), mesh, io).to_local()
+    for run in runs:  # warm-up: first calls allocate and build caches
+        for free in (False, True):
+            _step(run, local, device, free)
+    for k in range(args.steps):
+        order = runs[k % len(runs) :] + runs[: k % len(runs)]  # each plan goes first in turn
+        for run in order:
+            run.steps.append(_step(run, local, device, False))
+            run.free_steps.append(_step(run, local, device, True))
+    times = torch.tensor([[*r.steps, *r.free_steps] for r in runs], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    rows = []
+    for run, t in zip(runs, times.tolist()):
+        c = run.plan.cost
+        measured, compute = statistics.median(t[: args.steps]), statistics.median(t[args.steps :])
+        predicted, predicted_compute = c.total, c.compute_forward + c.compute_backward + c.recompute
+        rows.append(
+            {
+                "plan": run.name,
+                "predicted_ms": predicted * 1e3,
+                "measured_ms": measured * 1e3,
+                "error": (predicted - measured) / measured,
+                "predicted_compute_ms": predicted_compute * 1e3,
+                "measured_compute_ms": compute * 1e3,
+                "predicted_exposed_comm_ms": c.exposed_comm * 1e3,
+                "measured_comm_ms": max(measured - compute, 0.0) * 1e3,
+                "steps_ms": [x * 1e3 for x in t[: args.steps]],
+                "estimated_peak_mib": run.plan.memory.peak_bytes / 2**20,
+            }
+        )
+    tau = kendall_tau([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+    result = {
+        "model": args.model,
+        "mesh": list(shape),
+        "device": device,
+        "profile": runs[0].plan.device if runs else None,
+        "steps": args.steps,
+        "plans": rows,
+        "kendall_tau": tau,
+    }
+    if rank != 0:
+        return None
+    _print(result)
+    return result
+
+
+def _print(result: dict) -> None:
+    print(f"{result['model']} on mesh {result['mesh']} ({result['device']}), priced for {result['profile']}")
+    print(f"{'plan':<9} {'predicted':>10} {'measured':>10} {'error':>7}", end="")
+    print(f"   {'compute pred/meas':>19}   {'comm pred/meas':>17}")
+    for r in result["plans"]:
+        print(
+            f"{r['plan']:<9} {r['predicted_ms']:>8.2f}ms {r['measured_ms']:>8.2f}ms {r['error']:>+7.0%}"
+            f"   {r['predicted_compute_ms']:>8.2f}/{r['measured_compute_ms']:<8.2f}ms"
+            f"   {r['predicted_exposed_comm_ms']:>7.2f}/{r['measured_comm_ms']:<7.2f}ms"
+        )
+    print(f"rank agreement of predicted and measured order: Kendall tau {result['kendall_tau']:+.2f}")
+
+
+def add_parser(sub) -> None:
+    v = sub.add_parser("validate", help="run plans for real on this process group: predicted beside measured")
+    v.add_argument("--model", default="llama3-debug", help="a named model or module:factory")
+    v.add_argument("--mesh", default=None, help="mesh shape over the process group (default: one dim of all ranks)")
+    v.add_argument("--plans", default=None, help="comma-separated: autoplan and hand plans (default: all that fit)")
+    v.add_argument("--profile", default="cpu", help="device profile name or profile JSON (autoplan calibrate)")
+    v.add_argument("--layers", type=int, default=None)
+    v.add_argument("--batch", type=int, default=None, help="global batch of a named model")
+    v.add_argument("--seq", type=int, default=None)
+    v.add_argument("--dtype", default="float32")
+    v.add_argument("--steps", type=int, default=5, help="measured steps per plan (median)")
+    v.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    v.add_argument("--json", default=None, help="write the numbers to this file")
+    v.set_defaults(run=run_validate)
