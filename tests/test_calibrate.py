@@ -70,6 +70,24 @@ def test_a_changed_profile_changes_the_costs_and_where_it_should_the_plan(tmp_pa
     assert slow_links.cost.comm == 0 and all(p == (Replicate(),) for p in slow_links.param_placements.values())
 
 
+def test_comm_overlap_scales_what_communication_hides_under():
+    """A profile whose collectives cannot run beside compute (``comm_overlap=0``) hides nothing: an
+    FSDP plan pays all its communication, and more than where it hides under its layers' compute."""
+    from autoplan.bench.handplans import hand_plan
+
+    costs = {}
+    for overlap in (1.0, 0.0):
+        with torch.device("meta"):
+            model = MLP(1024, 4096, 1024)
+        profile = dataclasses.replace(CPU_GLOO, comm_overlap=overlap)
+        with AutoParallel(model, fake_mesh((4,)), lambda: torch.randn(1024, 1024), device_profile=profile) as ap:
+            ap.add_input_constraints([(Shard(0),)])
+            costs[overlap] = hand_plan(ap, "fsdp", 1).cost
+    assert costs[0.0].hidden_comm == 0 and costs[1.0].hidden_comm > 0
+    assert costs[0.0].total == pytest.approx(costs[0.0].compute_forward + costs[0.0].compute_backward + costs[0.0].comm)
+    assert costs[0.0].total > costs[1.0].total
+
+
 def test_a_profile_file_that_is_not_one_is_refused_by_name(tmp_path):
     bad = tmp_path / "other.json"
     bad.write_text(json.dumps({"format": "something", "version": 1}))
@@ -103,6 +121,7 @@ def test_the_link_fit_recovers_latency_and_bandwidth_from_the_cost_models_own_ti
 
 def _calibrate_rank(rank: int):
     profile, measured = calibrate("cpu", opts=CalibrateOptions(fast=True, dtypes=(torch.float32,)))
+    assert 0.0 <= profile.comm_overlap <= 1.0 and profile.comm_overlap == measured["comm_overlap"]
     return profile.intra_node_latency, profile.intra_node_bandwidth, len(measured["collectives"])
 
 

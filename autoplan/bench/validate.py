@@ -161,6 +161,7 @@ def run_validate(args: argparse.Namespace) -> dict | None:
                 "error": (predicted - measured) / measured,
                 "predicted_compute_ms": predicted_compute * 1e3,
                 "measured_compute_ms": compute * 1e3,
+                "predicted_comm_ms": c.comm * 1e3,
                 "predicted_exposed_comm_ms": c.exposed_comm * 1e3,
                 "measured_comm_ms": max(measured - compute, 0.0) * 1e3,
                 "steps_ms": [x * 1e3 for x in t[: args.steps]],

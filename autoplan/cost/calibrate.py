@@ -9,7 +9,8 @@ at hand. ``calibrate`` times this host's device instead:
 - a one-element op: the launch and dispatch floor every kernel pays;
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
   all-to-all at several sizes on the real backend, fitted to the cost model's own alpha-beta
-  formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link.
+  formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link,
+  and how much of an all-reduce really runs under a matmul loop beside it (``comm_overlap``).
 
 Every rank measures; rank 0's numbers are written (``devices.profile_to_json``) with the raw tables, and
 ``devices.resolve_profile`` loads the file back wherever a profile name is accepted.
@@ -139,6 +140,35 @@ def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say
     return rows
 
 
+def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> float:
+    """The fraction of the shorter of a matmul loop and an all-reduce that disappears when the
+    all-reduce runs asynchronously beside the loop: 1 where the backend overlaps communication with
+    compute (its own stream or engine), near 0 where both compete for the same cores."""
+    n = 256 if opts.fast else 512
+    a = torch.randn(n, n, device=device)
+    buf = torch.ones(opts.collective_bytes[-1] // 4, device=device)
+
+    def compute():
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def both():
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    dist.barrier(group=group)
+    t_compute = _seconds(compute, device, opts.repeats)
+    t_comm = _seconds(lambda: dist.all_reduce(buf, group=group), device, opts.repeats)
+    t_both = _seconds(both, device, opts.repeats)
+    fraction = min(max((t_compute + t_comm - t_both) / min(t_compute, t_comm), 0.0), 1.0)
+    say(
+        f"overlap: compute {t_compute * 1e3:.2f} ms, all-reduce {t_comm * 1e3:.2f} ms, together"
+        f" {t_both * 1e3:.2f} ms: {fraction:.0%} of the shorter hidden"
+    )
+    return fraction
+
+
 def fit_link(rows: list) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) that best fit ``rows`` of (kind, n, bytes, seconds) under the
     cost model's formulas (ring all-reduce), by least squares on relative error: each formula is
@@ -204,14 +234,17 @@ def calibrate(
         rows = measure_collectives(group, device, opts, say)
         latency, link = fit_link(rows)
         say(f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s")
+        overlap = measure_overlap(group, device, opts, say)
         profile = dataclasses.replace(
             profile,
             intra_node_latency=latency,
             intra_node_bandwidth=link,
             gpus_per_node=max(world, profile.gpus_per_node) if device.type == "cpu" else profile.gpus_per_node,
             nvls=False,
+            comm_overlap=overlap,
         )
         measured["collectives"] = rows
+        measured["comm_overlap"] = overlap
         measured["link_fit"] = {"latency_s": latency, "bandwidth_bytes_per_s": link}
     return profile, measured
 

@@ -45,6 +45,10 @@ class DeviceProfile:
     # measured (``autoplan calibrate``): (FLOPs of one kernel, fraction of the peak it reaches), by size;
     # empty: every kernel reaches ``compute_efficiency``
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    # the fraction of a layer's compute that communication can run under: 1 where collectives have
+    # their own stream or engine (NCCL); measured by ``autoplan calibrate`` where they compete with
+    # compute for the same cores (gloo's threads on a small CPU)
+    comm_overlap: float = 1.0
 
     def efficiency_at(self, flops: float) -> float:
         """The fraction of the peak a kernel of ``flops`` reaches: ``compute_efficiency`` times the

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
+from autoplan.cost.devices import DeviceProfile
 from autoplan.trace.clustering import layer_instances
 from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 
@@ -92,14 +93,21 @@ def least(seconds: np.ndarray) -> float:
     return float(finite.min()) if finite.size else 0.0
 
 
-def budgets(tg: TracedGraph, least_of: Callable[[fx.Node], float]) -> dict[str, float]:
-    """Per segment (layer instance and phase, as ``evaluate`` sees them): the compute it needs at
-    least, from each node's ``least_of``."""
+def budgets(tg: TracedGraph, least_of: Callable[[fx.Node], float], profile: DeviceProfile) -> dict[str, float]:
+    """Per segment (layer instance and phase, as ``evaluate`` sees them): the ``hiding_budget`` of
+    the compute it needs at least, from each node's ``least_of``."""
     out: dict[str, float] = defaultdict(float)
     for n, (inst, _) in layer_instances(tg).items():
         if n.op == "call_function":
             out[segment(inst, phase(n))] += least_of(n)
-    return dict(out)
+    return {k: hiding_budget(v, profile) for k, v in out.items()}
+
+
+def hiding_budget(compute_seconds: float, profile: DeviceProfile) -> float:
+    """The communication a segment of ``compute_seconds`` can run under: all of it where collectives
+    run on their own stream or engine (NCCL), a measured fraction where they compete with compute
+    for the same cores (gloo on a small CPU: ``DeviceProfile.comm_overlap``, ``autoplan calibrate``)."""
+    return compute_seconds * profile.comm_overlap
 
 
 def hidden_seconds(budget: dict[str, float], comm: dict[str, float]) -> float:

@@ -443,7 +443,10 @@ def build_problem(
     comm: dict[str, Linear] = defaultdict(Linear)
     for name, edge in hideable:
         _add_edge(comm[name], problem, edge)
-    problem.overlap = [OverlapSegment(name, budget[name], comm[name]) for name in sorted(comm)]
+    problem.overlap = [
+        OverlapSegment(name, overlap.hiding_budget(budget[name], cost_model.profile), comm[name])
+        for name in sorted(comm)
+    ]
     problem.least_compute = least
     return problem
 
