@@ -157,3 +157,19 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
             (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         )
     assert -1 <= result["kendall_tau"] <= 1
+
+
+@pytest.mark.slow  # ~55 s: twelve checks, each its own process
+def test_bench_gpu_runs_what_it_can_on_a_cpu_and_skips_the_rest_saying_why(tmp_path):
+    from autoplan.bench import main as bench_main
+
+    out = tmp_path / "gpu.json"
+    assert bench_main(["gpu", "--device", "cpu", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    checks = result["checks"]
+    skipped = {k for k, v in checks.items() if v["status"] == "skipped"}
+    assert skipped == {k for k in checks if k.startswith(("overhead", "memory"))} and len(skipped) == 5
+    assert all(v["why"] == "needs a CUDA device; none here" for k, v in checks.items() if k in skipped)
+    assert all(v["status"] == "ok" for k, v in checks.items() if k not in skipped), checks
+    assert result["profile"]["format"] == "autoplan-device-profile"
+    assert checks["validate (one rank, compute only)"]["json"]["plans"][0]["measured_ms"] > 0

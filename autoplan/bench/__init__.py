@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from autoplan.adapters.inductor import profile_cpp_kernels
-from autoplan.bench import validate
+from autoplan.bench import gpu, validate
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.workloads import fake_mesh, model_batch, model_config, named_model, parse_mesh
 
@@ -537,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layers", type=int, default=None, help="override the config's number of layers")
     c.add_argument("--device-profile", default="h100", help="a built-in profile name or a profile JSON")
     validate.add_parser(sub)
+    gpu.add_parser(sub)
     return parser
 
 
@@ -551,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": run_memory,
         "compare": run_compare,
         "validate": validate.run_validate,
+        "gpu": gpu.run_gpu,
     }
     try:  # a bad model, mesh or layer count: say so up front, not in a traceback
         if args.mesh is not None:

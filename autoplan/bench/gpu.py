@@ -1,0 +1,119 @@
+"""``python -m autoplan.bench gpu``: every check that needs a GPU, in one command and one JSON.
+
+Meant for a machine lent for a few minutes, with torch and this checkout (``PYTHONPATH``) and no
+package registry: each check runs as its own process (a fresh CUDA context and process group, a
+timeout of its own), so one failing check never hides the others. Without a CUDA device the checks
+that can run on the CPU still run (calibration, planning with each attention kernel, validation,
+the training example on gloo) and the CUDA-only ones are skipped, each saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    argv: tuple[str, ...]  # after ``python``; ``{out}`` is the check's JSON, ``{profile}`` calibrate's
+    cuda_only: bool = False
+    timeout_s: int = 120
+
+
+def checks(cuda: bool) -> list[Check]:
+    """The checks, in order (calibrate first: validation prices with its profile)."""
+    device = "cuda" if cuda else "cpu"
+    bench = ("-m", "autoplan.bench")
+    plan = ("-m", "autoplan.cli", "plan", "--model", "llama3-debug", "--mesh", "2x2", "--dtype", "bfloat16")
+    out = [
+        Check("calibrate", ("-m", "autoplan.cli", "calibrate", "--device", device, "--out", "{profile}"), timeout_s=90)
+    ]
+    out += [
+        Check(f"plan attention={kernel}", (*plan, "--attention", kernel, "-o", "{out}"), timeout_s=60)
+        for kernel in ("flash", "efficient", "cudnn", "math")
+    ]
+    for layers in (2, 4):
+        for compiled in (False, True):
+            argv = (*bench, "overhead", "--model", "llama3-8b", "--layers", str(layers), "--mesh", "128")
+            argv += ("--device", "cuda", "--batch", "1", "--seq", "4096", "--json", "{out}")
+            name = f"overhead 8b x{layers} {'compiled' if compiled else 'eager'}"
+            out.append(Check(name, argv + (("--compile",) if compiled else ()), cuda_only=True, timeout_s=150))
+    memory = (*bench, "memory", "--model", "llama3-8b", "--layers", "2", "--mesh", "16x8", "--device", "cuda")
+    out.append(Check("memory 8b x2 16x8", (*memory, "--batch", "1", "--seq", "1024", "--json", "{out}"), True, 120))
+    validate = (*bench, "validate", "--model", "llama3-debug", "--plans", "autoplan", "--device", device)
+    out.append(Check("validate (one rank, compute only)", (*validate, "--profile", "{profile}", "--json", "{out}")))
+    torchrun = (
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        str(ROOT / "examples" / "train_llama3_debug.py"),
+    )
+    out.append(Check(f"train_llama3_debug.py (1 rank, {'NCCL' if cuda else 'gloo'})", torchrun, timeout_s=90))
+    return out
+
+
+def _run(check: Check, folder: Path, profile: Path) -> dict:
+    out = folder / (check.name.replace(" ", "_").replace("/", "_").replace("=", "_") + ".json")
+    argv = [sys.executable, *(a.format(out=out, profile=profile) for a in check.argv)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=check.timeout_s, cwd=folder, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "seconds": time.perf_counter() - t0, "limit_s": check.timeout_s}
+    result: dict = {"status": "ok" if done.returncode == 0 else "failed", "seconds": time.perf_counter() - t0}
+    if done.returncode != 0:
+        result["stderr_tail"] = done.stderr[-2000:]
+    result["stdout_tail"] = done.stdout[-1500:]
+    if out.is_file():
+        try:
+            result["json"] = json.loads(out.read_text())
+        except json.JSONDecodeError:
+            result["json_error"] = f"{out.name} is not JSON"
+    return result
+
+
+def run_gpu(args: argparse.Namespace) -> dict:
+    """Run every check (see the module docstring); prints a line per check and returns the results."""
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.cuda.get_device_name(0) if cuda else "no CUDA device"
+    print(f"autoplan GPU checks on {device} (torch {torch.__version__})", flush=True)
+    results: dict = {"device": device, "torch": torch.__version__, "cuda": cuda, "checks": {}}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        profile = folder / "profile.json"
+        for check in checks(cuda):
+            if check.cuda_only and not cuda:
+                results["checks"][check.name] = {"status": "skipped", "why": "needs a CUDA device; none here"}
+                print(f"  skipped  {check.name}: needs a CUDA device; none here", flush=True)
+                continue
+            r = _run(check, folder, profile)
+            results["checks"][check.name] = r
+            print(f"  {r['status']:<8} {check.name} ({r['seconds']:.1f} s)", flush=True)
+        if profile.is_file():
+            results["profile"] = json.loads(profile.read_text())
+    results["seconds"] = time.perf_counter() - started
+    failed = [k for k, v in results["checks"].items() if v["status"] in ("failed", "timeout")]
+    print(f"{len(results['checks'])} checks in {results['seconds']:.0f} s; failed: {', '.join(failed) or 'none'}")
+    return results
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("gpu", help="every GPU check in one command, one JSON (CUDA-only checks skipped without one)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="cpu: run as if no GPU were here")
+    g.add_argument("--json", default=None, help="write the results to this file")
+    g.set_defaults(run=run_gpu, model="llama3-debug", mesh=None, dtype="float32")
