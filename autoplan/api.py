@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,7 +141,8 @@ class AutoParallel:
     ``"efficient"``, ``"cudnn"``, ``"math"`` or ``"cpu"`` (the host's kernel; CPU meshes only).
     Plans with GPU kernels still run on a CPU mesh: lowering computes them with the CPU kernel.
     ``device_profile`` is the target accelerator the costs describe, by name (``"h100"``,
-    ``"h200"``, ``"a100"``, ``"b200"``, ``"mi300x"``, ``"cpu"``) or as a ``DeviceProfile``; its
+    ``"h200"``, ``"a100"``, ``"b200"``, ``"mi300x"``, ``"cpu"``), by the path of a profile JSON
+    measured on the machine at hand (``autoplan calibrate``) or as a ``DeviceProfile``; its
     ``gpus_per_node`` and the mesh's ranks decide which mesh dims stay inside a node.
     ``expert_imbalance``: how unevenly routing loads the experts, as the busiest expert-parallel
     rank's tokens over the mean (token counts depend on the data); a grouped matmul split over its
@@ -157,7 +159,7 @@ class AutoParallel:
         mesh: DeviceMesh,
         input_fn: Callable[[], Any],
         loss_fn: Callable | None = None,
-        device_profile: str | DeviceProfile = H100_SXM,
+        device_profile: str | Path | DeviceProfile = H100_SXM,
         *,
         strict: bool = False,
         cluster_layers: bool = True,

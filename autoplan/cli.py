@@ -225,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="[%(name)s] %(message)s", level=logging.INFO if args.verbose else logging.WARNING)
-    if args.verbose > 1:  # autoplan's debug lines and the solver's log, not every library's debug output
-        log.setLevel(logging.DEBUG)
+    # autoplan's debug lines and the solver's log at -vv, not every library's debug output (set on
+    # every call: loggers outlive it)
+    log.setLevel(logging.DEBUG if args.verbose > 1 else logging.NOTSET)
     # a capped solve may run minutes: show its rounds and gap (set on every call, as loggers outlive it)
     shown = getattr(args, "cap", None) is not None and not args.verbose
     for name in PROGRESS_LOGGERS:

@@ -8,7 +8,8 @@ whatever drifts on the machine (its clock, other work) hits all of them alike; a
 the slowest rank's, and a plan's is the median of its steps. Each plan also runs with its
 collectives made free (``collective_free``): what is left is the rank's own compute, so the error
 splits into compute (predicted compute against the collective-free step) and communication with
-overlap (the rest).
+overlap (the rest). A step is timed from its forward to the end of its backward, as plans are
+priced; the optimizer step runs outside the timing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
+from autoplan.errors import AutoplanError
 
 
 @dataclass
@@ -83,7 +85,8 @@ def _prepare(name: str, build, input_fn, mesh, args, device: str) -> _Run:
 
     ndim = mesh.ndim
     io = (Shard(0),) + (Replicate(),) * (ndim - 1)
-    with AutoParallel(build(), mesh, input_fn, device_profile=args.profile) as ap:
+    profile = args.profile or ("h100" if device == "cuda" else "cpu")
+    with AutoParallel(build(), mesh, input_fn, device_profile=profile) as ap:
         ap.add_input_constraints([io])
         ap.add_output_constraints([io])
         plan = ap.optimize_placement() if name == "autoplan" else hand_plan(ap, name, ndim)
@@ -106,20 +109,25 @@ def _prepare(name: str, build, input_fn, mesh, args, device: str) -> _Run:
 
 
 def _step(run: _Run, local: torch.Tensor, device: str, free: bool) -> float:
-    """One training step of ``run`` on this rank's ``local`` batch, timed between two barriers."""
+    """One forward and backward of ``run`` on this rank's ``local`` batch, timed between barriers:
+    what the plan's cost prices (the optimizer step is not priced, so it runs untimed). A
+    collective-free step's gradients are whatever its uninitialised gathers give: they are dropped,
+    never applied, so the real steps keep training the same weights."""
     run.pmod._autoplan.executor = run.free if free else run.real
-    dist.barrier()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = run.pmod(local)
-    out.float().pow(2).mean().backward()
-    run.opt.step()
+    try:
+        dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run.pmod(local).float().pow(2).mean().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    finally:
+        run.pmod._autoplan.executor = run.real
+    if not free:
+        run.opt.step()
     run.opt.zero_grad()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    run.pmod._autoplan.executor = run.real
     return seconds
 
 
@@ -135,7 +143,20 @@ def run_validate(args: argparse.Namespace) -> dict | None:
     mesh = init_device_mesh(device, shape, mesh_dim_names=MESH_DIM_NAMES[: len(shape)])
     build, input_fn = _model(args, len(shape), shape[0])
     names = args.plans.split(",") if args.plans else ["autoplan", *hand_plans(len(shape))]
-    runs = [_prepare(name, build, input_fn, mesh, args, device) for name in names]
+    unknown = [n for n in names if n != "autoplan" and n not in hand_plans(len(shape), moe=True)]
+    if unknown or args.steps < 1:
+        raise SystemExit(
+            f"validate: unknown plans {unknown} (choose autoplan or {', '.join(hand_plans(len(shape), True))})"
+            if unknown
+            else "validate: --steps must be at least 1"
+        )
+    torch.set_flush_denormal(True)  # a CPU's denormal floats would time arithmetic, not the plan
+    runs, refused = [], {}
+    for name in names:
+        try:
+            runs.append(_prepare(name, build, input_fn, mesh, args, device))
+        except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
+            refused[name] = str(e).splitlines()[0]
     io = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
     local = distribute_tensor(input_fn().to(device), mesh, io).to_local()
     for run in runs:  # warm-up: first calls allocate and build caches
@@ -146,13 +167,13 @@ def run_validate(args: argparse.Namespace) -> dict | None:
         for run in order:
             run.steps.append(_step(run, local, device, False))
             run.free_steps.append(_step(run, local, device, True))
-    times = torch.tensor([[*r.steps, *r.free_steps] for r in runs], dtype=torch.float64)
+    times = torch.tensor([[*r.steps, *r.free_steps] for r in runs], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     rows = []
     for run, t in zip(runs, times.tolist()):
         c = run.plan.cost
         measured, compute = statistics.median(t[: args.steps]), statistics.median(t[args.steps :])
-        predicted, predicted_compute = c.total, c.compute_forward + c.compute_backward + c.recompute
+        predicted, predicted_compute = c.total, c.compute_forward + c.compute_backward
         rows.append(
             {
                 "plan": run.name,
@@ -176,6 +197,7 @@ def run_validate(args: argparse.Namespace) -> dict | None:
         "profile": runs[0].plan.device if runs else None,
         "steps": args.steps,
         "plans": rows,
+        "refused": refused,
         "kendall_tau": tau,
     }
     if rank != 0:
@@ -194,6 +216,8 @@ def _print(result: dict) -> None:
             f"   {r['predicted_compute_ms']:>8.2f}/{r['measured_compute_ms']:<8.2f}ms"
             f"   {r['predicted_exposed_comm_ms']:>7.2f}/{r['measured_comm_ms']:<7.2f}ms"
         )
+    for name, why in result["refused"].items():
+        print(f"{name:<9} not run: {why}")
     print(f"rank agreement of predicted and measured order: Kendall tau {result['kendall_tau']:+.2f}")
 
 
@@ -202,7 +226,9 @@ def add_parser(sub) -> None:
     v.add_argument("--model", default="llama3-debug", help="a named model or module:factory")
     v.add_argument("--mesh", default=None, help="mesh shape over the process group (default: one dim of all ranks)")
     v.add_argument("--plans", default=None, help="comma-separated: autoplan and hand plans (default: all that fit)")
-    v.add_argument("--profile", default="cpu", help="device profile name or profile JSON (autoplan calibrate)")
+    v.add_argument(
+        "--profile", default=None, help="device profile name or profile JSON (autoplan calibrate); default cpu or h100"
+    )
     v.add_argument("--layers", type=int, default=None)
     v.add_argument("--batch", type=int, default=None, help="global batch of a named model")
     v.add_argument("--seq", type=int, default=None)

@@ -10,7 +10,9 @@ at hand. ``calibrate`` times this host's device instead:
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
   all-to-all at several sizes on the real backend, fitted to the cost model's own alpha-beta
   formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link,
-  and how much of an all-reduce really runs under a matmul loop beside it (``comm_overlap``).
+  and how much of a matmul loop's time an all-reduce issued beside it runs under (``comm_overlap``).
+Dtypes not measured keep their datasheet rate scaled like the first measured one; links not measured
+keep theirs.
 
 Every rank measures; rank 0's numbers are written (``devices.profile_to_json``) with the raw tables, and
 ``devices.resolve_profile`` loads the file back wherever a profile name is accepted.
@@ -41,7 +43,7 @@ class CalibrateOptions:
     """What to measure: ``fast`` takes smaller sizes and fewer repeats (seconds, for tests)."""
 
     fast: bool = False
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     name: str | None = None  # the profile's name; default from the device
 
     @property
@@ -121,35 +123,40 @@ def _collective(kind: CollectiveKind, nbytes: int, group, device: torch.device) 
         return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
-    out = torch.empty_like(full)
-    return lambda: dist.all_to_all_single(out, full, group=group)
+    out = torch.empty_like(shard)  # each rank sends its shard of the logical tensor, as the model prices it
+    return lambda: dist.all_to_all_single(out, shard, group=group)
 
 
 def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> list:
     """``[(kind, group size, bytes of the full tensor, seconds)]`` on ``group``, every rank timing alike."""
     n = dist.get_world_size(group)
     rows = []
-    warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)  # 2.13's renames
-    for kind in COLLECTIVES:
-        for nbytes in opts.collective_bytes:
-            fn = _collective(kind, nbytes, group, device)
-            dist.barrier(group=group)
-            s = _seconds(fn, device, opts.repeats, inner=3)
-            rows.append((kind, n, nbytes, s))
-            say(f"{kind} over {n} ranks, {nbytes / 2**10:.0f} KiB: {s * 1e6:.0f} us")
+    with warnings.catch_warnings():  # torch 2.13 renames the tensor collectives; older torch lacks the new names
+        warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
+        for kind in COLLECTIVES:
+            for nbytes in opts.collective_bytes:
+                fn = _collective(kind, nbytes, group, device)
+                dist.barrier(group=group)
+                s = _seconds(fn, device, opts.repeats, inner=3)
+                rows.append((kind, n, nbytes, s))
+                say(f"{kind} over {n} ranks, {nbytes / 2**10:.0f} KiB: {s * 1e6:.0f} us")
     return rows
 
 
 def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> float:
-    """The fraction of the shorter of a matmul loop and an all-reduce that disappears when the
-    all-reduce runs asynchronously beside the loop: 1 where the backend overlaps communication with
-    compute (its own stream or engine), near 0 where both compete for the same cores."""
-    n = 256 if opts.fast else 512
+    """The fraction of a matmul loop's time that an all-reduce longer than it runs under, when the
+    all-reduce is issued asynchronously beside it: what ``DeviceProfile.comm_overlap`` means (1 where
+    the backend has its own stream or engine, near 0 where both compete for the same cores)."""
+    n = 128 if opts.fast else 256
     a = torch.randn(n, n, device=device)
     buf = torch.ones(opts.collective_bytes[-1] // 4, device=device)
+    t_comm = _seconds(lambda: dist.all_reduce(buf, group=group), device, opts.repeats)
+    per_mm = _seconds(lambda: torch.mm(a, a), device, opts.repeats, inner=4)
+    loops = max(1, int(0.5 * t_comm / per_mm))  # compute about half the all-reduce: all of it can hide
+    loops = _agreed(loops, group)
 
     def compute():
-        for _ in range(8):
+        for _ in range(loops):
             torch.mm(a, a)
 
     def both():
@@ -159,32 +166,39 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
 
     dist.barrier(group=group)
     t_compute = _seconds(compute, device, opts.repeats)
-    t_comm = _seconds(lambda: dist.all_reduce(buf, group=group), device, opts.repeats)
     t_both = _seconds(both, device, opts.repeats)
-    fraction = min(max((t_compute + t_comm - t_both) / min(t_compute, t_comm), 0.0), 1.0)
+    fraction = min(max((t_compute + t_comm - t_both) / t_compute, 0.0), 1.0)
     say(
-        f"overlap: compute {t_compute * 1e3:.2f} ms, all-reduce {t_comm * 1e3:.2f} ms, together"
-        f" {t_both * 1e3:.2f} ms: {fraction:.0%} of the shorter hidden"
+        f"overlap: {loops} matmuls {t_compute * 1e3:.2f} ms, all-reduce {t_comm * 1e3:.2f} ms, together"
+        f" {t_both * 1e3:.2f} ms: {fraction:.0%} of the compute ran beside communication"
     )
     return fraction
 
 
+def _agreed(value: int, group) -> int:
+    """The least of every rank's ``value``: ranks that loop alike take part in each collective alike."""
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
 def fit_link(rows: list) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) that best fit ``rows`` of (kind, n, bytes, seconds) under the
-    cost model's formulas (ring all-reduce), by least squares on relative error: each formula is
-    ``latency * a + bytes_term / bandwidth`` with ``a`` and ``bytes_term`` read off at unit values."""
-    coeffs, times = [], []
+    cost model's own formulas (``network.flat_collective_seconds``), by least squares on relative
+    error: each is ``latency * steps + moved / bandwidth``, its terms read off at unit values. The
+    all-reduce takes the fastest of several algorithms in the model, so it is measured and kept,
+    not fitted: the gathers, scatters and all-to-alls pin the link down."""
+    coeffs = []
     for kind, n, nbytes, s in rows:
-        steps = flat_collective_seconds(kind, n, 0.0, 1.0, 1.0)  # latency steps (bytes 0)
-        per_byte = flat_collective_seconds(kind, n, float(nbytes), 1.0, 0.0)  # bytes moved over unit bandwidth
-        if kind == "all_reduce":  # the ring's terms, the algorithm a few ranks run
-            steps, per_byte = 2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes
-        coeffs.append((steps / s, per_byte / s))
-        times.append(1.0)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(coeffs), np.array(times), rcond=None)
-    alpha = max(float(alpha), 1e-7)
-    inv_beta = max(float(inv_beta), 1e-13)
-    return alpha, 1.0 / inv_beta
+        if kind == "all_reduce":
+            continue
+        steps = flat_collective_seconds(kind, n, 0.0, 1.0, 1.0)
+        moved = flat_collective_seconds(kind, n, float(nbytes), 1.0, 0.0)
+        coeffs.append((steps / s, moved / s))
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(coeffs), np.ones(len(coeffs)), rcond=None)
+    return max(float(alpha), 1e-7), 1.0 / max(float(inv_beta), 1e-13)
 
 
 def efficiency_curve(rows: list) -> tuple[float, tuple[tuple[float, float], ...]]:
@@ -210,21 +224,24 @@ def calibrate(
     opts = dataclasses.replace(opts, dtypes=dtypes)
     matmuls = measure_matmuls(device, opts, say)
     bandwidth, launch = measure_memory(device, opts, say)
-    peak_flops = []
-    curves = {}
+    measured_peaks, curves = {}, {}
     for name, rows in matmuls.items():
-        peak, curve = efficiency_curve(rows)
-        peak_flops.append((name, peak))
-        curves[name] = curve
+        measured_peaks[name], curves[name] = efficiency_curve(rows)
     reference = dtype_name(opts.dtypes[0])
+    # a dtype not measured keeps the datasheet rate, scaled as the reference dtype's measured peak is
+    scale = measured_peaks[reference] / base.flops_for(opts.dtypes[0])
+    rates = {name: rate * scale for name, rate in base.peak_flops} | measured_peaks
+    keep = base.bandwidth_efficiency  # what the links not measured here still achieve of their datasheet rate
     profile = dataclasses.replace(
         base,
         name=opts.name or _device_name(device),
-        peak_flops=tuple(peak_flops),
+        peak_flops=tuple(rates.items()),
         matmul_efficiency=curves[reference],
         compute_efficiency=1.0,
         hbm_bandwidth=bandwidth,
         bandwidth_efficiency=1.0,
+        intra_node_bandwidth=base.intra_node_bandwidth * keep,
+        inter_node_bandwidth=base.inter_node_bandwidth * keep,
         kernel_launch=launch,
         memory_bytes=_memory_bytes(device),
     )

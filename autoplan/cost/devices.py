@@ -50,6 +50,16 @@ class DeviceProfile:
     # compute for the same cores (gloo's threads on a small CPU)
     comm_overlap: float = 1.0
 
+    def __post_init__(self) -> None:
+        curve = self.matmul_efficiency
+        if any(f <= 0 or not 0 < e <= 1 for f, e in curve) or list(curve) != sorted(curve):
+            raise ValueError(
+                f"profile {self.name!r}: matmul_efficiency must be (FLOPs > 0, fraction in (0, 1]) pairs in"
+                f" increasing FLOPs, got {curve}"
+            )
+        if not 0 <= self.comm_overlap <= 1:
+            raise ValueError(f"profile {self.name!r}: comm_overlap is a fraction in [0, 1], got {self.comm_overlap}")
+
     def efficiency_at(self, flops: float) -> float:
         """The fraction of the peak a kernel of ``flops`` reaches: ``compute_efficiency`` times the
         measured curve, linear in log FLOPs between its points and flat past its ends."""
@@ -220,13 +230,21 @@ def profile_from_json(path: str | Path) -> DeviceProfile:
         raise ConstraintError(
             f"{path}: device profile version {data.get('version')}; this autoplan reads version {PROFILE_VERSION}"
         )
-    fields = dict(data["profile"])
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(DeviceProfile)})
-    if unknown:
-        raise ConstraintError(f"{path}: unknown device profile fields {unknown}")
+    fields = data.get("profile")
+    if not isinstance(fields, dict):
+        raise ConstraintError(f"{path}: a device profile file needs a 'profile' object")
+    known = {f.name: f for f in dataclasses.fields(DeviceProfile)}
+    unknown = sorted(set(fields) - set(known))
+    missing = sorted(k for k, f in known.items() if k not in fields and f.default is dataclasses.MISSING)
+    if unknown or missing:
+        raise ConstraintError(f"{path}: device profile fields unknown {unknown}, missing {missing}")
+    fields = dict(fields)
     for key in ("peak_flops", "matmul_efficiency"):
         fields[key] = tuple(tuple(pair) for pair in fields.get(key, ()))
-    return DeviceProfile(**fields)
+    try:
+        return DeviceProfile(**fields)
+    except ValueError as e:
+        raise ConstraintError(f"{path}: {e}") from None
 
 
 def resolve_profile(profile: str | Path | DeviceProfile) -> DeviceProfile:
