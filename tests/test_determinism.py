@@ -7,6 +7,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 
 
@@ -23,6 +25,7 @@ def _plan(i: int, out: Path) -> str:
     return (out / f"plan{i}.json").read_text()
 
 
+@pytest.mark.slow  # ~29 s: five planning processes
 def test_five_processes_write_the_same_plan_bytes(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         texts = list(pool.map(lambda i: _plan(i, tmp_path), range(5)))

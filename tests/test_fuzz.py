@@ -4,6 +4,7 @@ autoplan's named errors (an uneven batch split asked for, a mesh dim that splits
 
 import math
 
+import pytest
 import torch
 from conftest import fake_mesh
 from hypothesis import HealthCheck, given, settings
@@ -83,6 +84,7 @@ def test_random_mlps(widths, batch, shape, shard_batch):
     _check(build, x, shape, shard_batch)
 
 
+@pytest.mark.slow  # ~40 s: the random transformer blocks (MLPs stay in the default run)
 @FUZZ
 @given(
     heads=st.sampled_from([(2, 1), (2, 2), (4, 2)]),

@@ -74,6 +74,7 @@ def test_llama_debug_round_trips(remove):
     assert (r["round_trips"] > 0) == remove
 
 
+@pytest.mark.slow  # ~47 s: Inductor compiles every region (gloo's compiled run stays in the default run)
 def test_llama_debug_inductor_regional():
     """``apply_placement(compile=True)``: four layers, the two middle ones sharing compiled regions."""
     check_run(_run("llama4", LLAMA_TP, compiled=False, compile=True))

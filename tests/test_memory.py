@@ -102,6 +102,7 @@ def test_peak_cap_is_met_by_a_different_plan():
     assert ap.optimize_placement().memory.peak_bytes == free.memory.peak_bytes
 
 
+@pytest.mark.slow  # ~47 s: the least peak is searched
 def test_unreachable_peak_cap_names_the_memory_constraint_and_the_smallest_peak():
     """The error names the cap and the least estimated peak a plan reaches: a cap at that value plans."""
     ap = _mlp_planner()
