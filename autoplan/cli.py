@@ -111,7 +111,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+    owns_group = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized()
+    if owns_group:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     started = time.perf_counter()
@@ -124,7 +125,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if rank == 0:
         write_profile(args.out, profile, measured)
         say(f"wrote {args.out} ({profile.name}); plan with device_profile={args.out!r} or --device-profile {args.out}")
-    if dist.is_initialized():
+    if owns_group:  # a caller's group (a test's, a notebook's) outlives the command
         dist.destroy_process_group()
     return 0
 

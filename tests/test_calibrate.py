@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import fake_mesh
 from gloo import run_gloo
 from models import MLP
@@ -33,7 +34,9 @@ def _plan(profile, inputs=None):
 
 def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, capsys):
     out = tmp_path / "profile.json"
+    world = fake_mesh((4,)).get_group()  # the caller's process group: the command must leave it alone
     assert main(["calibrate", "--fast", "--device", "cpu", "--out", str(out)]) == 0
+    assert dist.is_initialized() and dist.get_world_size(world) == 4 and dist.get_world_size() >= 4
     printed = capsys.readouterr().out
     assert "matmul float32" in printed and f"wrote {out}" in printed
     doc = json.loads(out.read_text())
