@@ -40,12 +40,18 @@ def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, c
     printed = capsys.readouterr().out
     assert "matmul float32" in printed and f"wrote {out}" in printed
     doc = json.loads(out.read_text())
-    assert doc["format"] == "autoplan-device-profile" and doc["version"] == 1 and doc["measured"]["matmul"]
+    assert doc["format"] == "autoplan-device-profile" and doc["version"] == 2 and doc["measured"]["attention"]
     profile = profile_from_json(out)
     assert profile.name.startswith("calibrated cpu") and profile.compute_efficiency == 1.0
-    curve = profile.matmul_efficiency
-    assert len(curve) == 4 and max(f for _, f in curve) == 1.0 and all(0 < f <= 1 for _, f in curve)
-    assert profile.efficiency_at(curve[0][0]) == curve[0][1] and profile.efficiency_at(1e30) == curve[-1][1]
+    for dtype in (torch.float32, torch.bfloat16):  # one curve per dtype measured
+        curve = profile.curve_for("matmul", dtype)
+        assert len(curve) == 4 and max(f for _, f in curve) == 1.0 and all(0 < f <= 1 for _, f in curve)
+        assert profile.efficiency_at(curve[0][0], dtype) == curve[0][1]
+        assert profile.efficiency_at(1e30, dtype) == curve[-1][1]
+        attention = profile.curve_for("attention", dtype)
+        assert len(attention) == 2 and all(0 < f <= 1 for _, f in attention)
+    assert profile.curve_for("matmul", torch.float32) != profile.curve_for("matmul", torch.bfloat16)
+    assert profile.curve_for("matmul", torch.float64) == profile.curve_for("matmul", torch.float32)  # nearest rate
     assert resolve_profile(str(out)) == profile
     plan = _plan(str(out), (Shard(0),))
     assert plan.device == profile.name and plan.cost.total > 0
@@ -64,9 +70,14 @@ def test_a_changed_profile_changes_the_costs_and_where_it_should_the_plan(tmp_pa
     def compute(plan):
         return plan.cost.compute_forward + plan.cost.compute_backward
 
-    quick = _plan(write("quick", matmul_efficiency=((1e3, 1.0), (1e12, 1.0))), (Shard(0),))
-    slow = _plan(write("slow", matmul_efficiency=((1e3, 0.1), (1e12, 0.1))), (Shard(0),))
+    def curve(fraction, dtype="float32"):
+        return (("matmul", dtype, 1e3, fraction), ("matmul", dtype, 1e12, fraction))
+
+    quick = _plan(write("quick", kernel_efficiency=curve(1.0)), (Shard(0),))
+    slow = _plan(write("slow", kernel_efficiency=curve(0.1)), (Shard(0),))
     assert compute(slow) > 5 * compute(quick)
+    bf16_slow = _plan(write("bf16_slow", kernel_efficiency=curve(1.0) + curve(0.1, "bfloat16")), (Shard(0),))
+    assert compute(bf16_slow) == pytest.approx(compute(quick))  # an fp32 model: the bf16 curve prices nothing
     fast_links = _plan(write("fast", intra_node_bandwidth=1e15, intra_node_latency=0.0))
     slow_links = _plan(write("slow_links", intra_node_bandwidth=1e4, intra_node_latency=1.0))
     assert fast_links.cost.comm > 0 and compute(fast_links) < compute(slow_links) / 2
@@ -97,11 +108,32 @@ def test_a_profile_file_that_is_not_one_is_refused_by_name(tmp_path):
     with pytest.raises(ConstraintError, match="not an autoplan device profile"):
         resolve_profile(str(bad))
     newer = tmp_path / "newer.json"
-    newer.write_text(profile_to_json(CPU_GLOO).replace('"version": 1', '"version": 99'))
+    newer.write_text(profile_to_json(CPU_GLOO).replace('"version": 2', '"version": 99'))
     with pytest.raises(ConstraintError, match="version 99"):
         resolve_profile(str(newer))
+    bad_kind = tmp_path / "bad_kind.json"
+    bad_kind.write_text(
+        profile_to_json(CPU_GLOO).replace(
+            '"kernel_efficiency": []', '"kernel_efficiency": [["conv", "float32", 1e6, 0.5]]'
+        )
+    )
+    with pytest.raises(ConstraintError, match="'conv'"):
+        resolve_profile(str(bad_kind))
     with pytest.raises(ConstraintError, match="no device profile file"):
         resolve_profile(str(tmp_path / "missing.json"))
+
+
+def test_a_version_1_profile_loads_with_its_one_curve_for_every_dtype(tmp_path):
+    doc = json.loads(profile_to_json(CPU_GLOO))
+    fields = {k: v for k, v in doc["profile"].items() if k != "kernel_efficiency"}
+    old = tmp_path / "v1.json"
+    old.write_text(
+        json.dumps(doc | {"version": 1, "profile": fields | {"matmul_efficiency": [[1e6, 0.25], [1e9, 1.0]]}})
+    )
+    profile = resolve_profile(str(old))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert profile.curve_for("matmul", dtype) == ((1e6, 0.25), (1e9, 1.0))
+        assert profile.efficiency_at(1e6, dtype, "attention") == 0.25 * CPU_GLOO.compute_efficiency
 
 
 def test_the_link_fit_recovers_latency_and_bandwidth_from_the_cost_models_own_times():
@@ -175,4 +207,16 @@ def test_bench_gpu_runs_what_it_can_on_a_cpu_and_skips_the_rest_saying_why(tmp_p
     assert all(v["why"] == "needs a CUDA device; none here" for k, v in checks.items() if k in skipped)
     assert all(v["status"] == "ok" for k, v in checks.items() if k not in skipped), checks
     assert result["profile"]["format"] == "autoplan-device-profile"
-    assert checks["validate (one rank, compute only)"]["json"]["plans"][0]["measured_ms"] > 0
+    assert checks["validate debug (one rank)"]["json"]["plans"][0]["measured_ms"] > 0
+
+
+def test_a_gpu_check_that_hangs_is_stopped_and_says_where(tmp_path):
+    """A check past its limit is aborted: its stack (faulthandler) and what it printed come back,
+    and the command goes on to the next check."""
+    from autoplan.bench.gpu import Check, _run
+
+    hang = "import time\nprint('started', flush=True)\ndef wait_forever():\n    time.sleep(600)\nwait_forever()"
+    r = _run(Check("hang", ("-c", hang)), tmp_path, tmp_path / "profile.json", limit_s=3)
+    assert r["status"] == "timeout" and r["limit_s"] == 3 and r["seconds"] < 30
+    assert "started" in r["stdout_tail"]
+    assert "Fatal Python error: Aborted" in r["stderr_tail"] and "wait_forever" in r["stderr_tail"]

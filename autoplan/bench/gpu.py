@@ -53,8 +53,11 @@ def checks(cuda: bool) -> list[Check]:
             out.append(Check(name, argv + (("--compile",) if compiled else ()), cuda_only=True, timeout_s=150))
     memory = (*bench, "memory", "--model", "llama3-8b", "--layers", "2", "--mesh", "16x8", "--device", "cuda")
     out.append(Check("memory 8b x2 16x8", (*memory, "--batch", "1", "--seq", "1024", "--json", "{out}"), True, 120))
-    validate = (*bench, "validate", "--model", "llama3-debug", "--plans", "autoplan", "--device", device)
-    out.append(Check("validate (one rank, compute only)", (*validate, "--profile", "{profile}", "--json", "{out}")))
+    validate = (*bench, "validate", "--plans", "autoplan", "--device", device, "--profile", "{profile}")
+    out.append(Check("validate debug (one rank)", (*validate, "--model", "llama3-debug", "--json", "{out}")))
+    if cuda:  # a step whose kernels, not their launches, take the time
+        big = ("--model", "llama3-8b", "--layers", "2", "--dtype", "bfloat16", "--batch", "1", "--seq", "4096")
+        out.append(Check("validate 8b x2 (one rank)", (*validate, *big, "--json", "{out}"), timeout_s=90))
     torchrun = (
         "-m",
         "torch.distributed.run",
@@ -69,7 +72,8 @@ def checks(cuda: bool) -> list[Check]:
 
 def _run(check: Check, folder: Path, profile: Path, limit_s: float) -> dict:
     out = folder / (check.name.replace(" ", "_").replace("/", "_").replace("=", "_") + ".json")
-    argv = [sys.executable, *(a.format(out=out, profile=profile) for a in check.argv)]
+    # -X faulthandler: a check that hangs prints every thread's stack when it is stopped (SIGABRT)
+    argv = [sys.executable, "-X", "faulthandler", *(a.format(out=out, profile=profile) for a in check.argv)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     # a session of its own: on a timeout the whole group goes (torchrun's workers, compile workers)
@@ -79,13 +83,22 @@ def _run(check: Check, folder: Path, profile: Path, limit_s: float) -> dict:
     try:
         stdout, stderr = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        os.kill(proc.pid, signal.SIGABRT)  # where it hung, on its stderr
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", ""
+        try:  # whatever it started (torchrun's workers, compile workers) goes too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the abort took the whole group already
+            pass
+        more_out, more_err = proc.communicate()
         return {
             "status": "timeout",
             "seconds": time.perf_counter() - t0,
             "limit_s": limit_s,
-            "stdout_tail": stdout[-1500:],
+            "stdout_tail": (stdout + more_out)[-1500:],
+            "stderr_tail": (stderr + more_err)[-4000:],
         }
     result: dict = {"status": "ok" if proc.returncode == 0 else "failed", "seconds": time.perf_counter() - t0}
     if proc.returncode != 0:
@@ -109,7 +122,8 @@ def run_gpu(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         profile = folder / "profile.json"
-        for check in checks(cuda):
+        chosen = [c for c in checks(cuda) if not args.only or any(c.name.startswith(o) for o in args.only.split(","))]
+        for check in chosen:
             left = args.deadline - (time.perf_counter() - started)
             why = "needs a CUDA device; none here" if check.cuda_only and not cuda else None
             if why is None and left < min(check.timeout_s, 30):
@@ -133,6 +147,7 @@ def add_parser(sub) -> None:
     g = sub.add_parser("gpu", help="every GPU check in one command, one JSON (CUDA-only checks skipped without one)")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="cpu: run as if no GPU were here")
     g.add_argument("--json", default=None, help="write the results to this file")
+    g.add_argument("--only", default=None, help="run only the checks whose names start so (comma-separated)")
     g.add_argument(
         "--deadline", type=float, default=540.0, help="seconds for all checks; those that would overrun are skipped"
     )

@@ -4,7 +4,12 @@ The built-in profiles (``autoplan.cost.devices``) are datasheet figures for clus
 at hand. ``calibrate`` times this host's device instead:
 
 - matmuls of several sizes per dtype: the fastest is the dtype's peak, and each size's fraction of
-  it becomes the profile's ``matmul_efficiency`` curve (small matmuls reach less of the peak);
+  it becomes the dtype's matmul curve in the profile's ``kernel_efficiency`` (small matmuls reach
+  less of the peak, and how much less depends on the dtype: bf16 on tensor cores needs far larger
+  products than fp32 to fill the device);
+- causal attention (SDPA, forward and backward) at several sequence lengths per dtype, counted
+  with the cost model's own FLOP formula: its fraction of the dtype's matmul peak is the
+  dtype's attention curve;
 - a large elementwise product: the memory bandwidth that memory-bound ops stream at;
 - a one-element op: the launch and dispatch floor every kernel pays;
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
@@ -33,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.cost.devices import CPU_GLOO, H100_SXM, DeviceProfile, dtype_name, profile_to_json
+from autoplan.cost.flops import sdpa_flops
 from autoplan.cost.network import CollectiveKind, flat_collective_seconds
 
 COLLECTIVES: tuple[CollectiveKind, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -46,9 +52,19 @@ class CalibrateOptions:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     name: str | None = None  # the profile's name; default from the device
 
-    @property
-    def matmul_sizes(self) -> tuple[int, ...]:
-        return (64, 128, 256, 512) if self.fast else (128, 256, 512, 1024, 2048)
+    def matmul_sizes(self, device: torch.device) -> tuple[int, ...]:
+        """Square matmul sizes; a GPU's tensor cores fill up only past 4096."""
+        if self.fast:
+            return (64, 128, 256, 512)
+        return (128, 256, 512, 1024, 2048) + ((4096, 8192) if device.type == "cuda" else ())
+
+    def attention_shapes(self, device: torch.device) -> tuple[tuple[int, int, int], ...]:
+        """(heads, sequence length, head dim) of one sequence's causal attention."""
+        if self.fast:
+            return ((4, 64, 32), (4, 128, 32))
+        if device.type == "cuda":
+            return ((16, 512, 128), (16, 2048, 128), (16, 8192, 128))
+        return ((8, 128, 64), (8, 512, 64), (8, 1024, 64))
 
     @property
     def collective_bytes(self) -> tuple[int, ...]:
@@ -87,7 +103,7 @@ def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[
     table = {}
     for dtype in opts.dtypes:
         rows = []
-        for n in opts.matmul_sizes:
+        for n in opts.matmul_sizes(device):
             a = torch.randn(n, n, device=device).to(dtype)
             b = torch.randn(n, n, device=device).to(dtype)
             flops = 2.0 * n**3
@@ -95,6 +111,30 @@ def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[
             s = _seconds(lambda a=a, b=b: torch.mm(a, b), device, opts.repeats, inner)
             rows.append((n, flops, flops / s))
             say(f"matmul {dtype_name(dtype)} {n}x{n}: {flops / s / 1e9:.1f} GFLOP/s")
+        table[dtype_name(dtype)] = rows
+    return table
+
+
+def measure_attention(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> dict:
+    """Per dtype name: ``[(sequence length, FLOPs of a forward and backward, FLOP/s)]``, the FLOPs
+    by the cost model's own formula (``flops.sdpa_flops``: causal halves the work; the backward is
+    2.5 forwards), so the fractions apply to the FLOPs the cost model counts."""
+    table = {}
+    for dtype in opts.dtypes:
+        rows = []
+        for heads, seq, dim in opts.attention_shapes(device):
+            q, k, v = (torch.randn(1, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
+            grad = torch.randn(1, heads, seq, dim, device=device, dtype=dtype)
+            flops = 3.5 * sdpa_flops(q.shape, k.shape, v.shape, is_causal=True)
+
+            def step(q=q, k=k, v=v, grad=grad):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return torch.autograd.grad(out, (q, k, v), grad)
+
+            inner = max(1, int((2e8 if device.type == "cpu" else 2e11) // flops))
+            s = _seconds(step, device, opts.repeats, inner)
+            rows.append((seq, flops, flops / s))
+            say(f"attention {dtype_name(dtype)} seq {seq}: {flops / s / 1e9:.1f} GFLOP/s")
         table[dtype_name(dtype)] = rows
     return table
 
@@ -201,10 +241,11 @@ def fit_link(rows: list) -> tuple[float, float]:
     return max(float(alpha), 1e-7), 1.0 / max(float(inv_beta), 1e-13)
 
 
-def efficiency_curve(rows: list) -> tuple[float, tuple[tuple[float, float], ...]]:
-    """(peak FLOP/s: the fastest size, ``[(FLOPs, fraction of the peak)]`` per size)."""
-    peak = max(rate for _, _, rate in rows)
-    return peak, tuple((flops, rate / peak) for _, flops, rate in rows)
+def efficiency_curve(rows: list, peak: float | None = None) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """(peak FLOP/s: ``peak``, or the fastest size, ``[(FLOPs, fraction of the peak)]`` per size,
+    in increasing FLOPs; a fraction over the peak counts as the peak)."""
+    peak = peak or max(rate for _, _, rate in rows)
+    return peak, tuple(sorted((flops, min(rate / peak, 1.0)) for _, flops, rate in rows))
 
 
 def calibrate(
@@ -223,10 +264,13 @@ def calibrate(
     dtypes = tuple(d for d in opts.dtypes if device.type == "cuda" or d in (torch.float32, torch.bfloat16))
     opts = dataclasses.replace(opts, dtypes=dtypes)
     matmuls = measure_matmuls(device, opts, say)
+    attentions = measure_attention(device, opts, say)
     bandwidth, launch = measure_memory(device, opts, say)
-    measured_peaks, curves = {}, {}
+    measured_peaks, efficiency = {}, []
     for name, rows in matmuls.items():
-        measured_peaks[name], curves[name] = efficiency_curve(rows)
+        measured_peaks[name], curve = efficiency_curve(rows)
+        _, attention = efficiency_curve(attentions[name], measured_peaks[name])
+        efficiency += [("matmul", name, f, e) for f, e in curve] + [("attention", name, f, e) for f, e in attention]
     reference = dtype_name(opts.dtypes[0])
     # a dtype not measured keeps the datasheet rate, scaled as the reference dtype's measured peak is
     scale = measured_peaks[reference] / base.flops_for(opts.dtypes[0])
@@ -236,7 +280,7 @@ def calibrate(
         base,
         name=opts.name or _device_name(device),
         peak_flops=tuple(rates.items()),
-        matmul_efficiency=curves[reference],
+        kernel_efficiency=tuple(efficiency),
         compute_efficiency=1.0,
         hbm_bandwidth=bandwidth,
         bandwidth_efficiency=1.0,
@@ -245,7 +289,12 @@ def calibrate(
         kernel_launch=launch,
         memory_bytes=_memory_bytes(device),
     )
-    measured: dict = {"matmul": matmuls, "elementwise_bytes_per_s": bandwidth, "launch_s": launch}
+    measured: dict = {
+        "matmul": matmuls,
+        "attention": attentions,
+        "elementwise_bytes_per_s": bandwidth,
+        "launch_s": launch,
+    }
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1 and dist.get_backend(group) != "fake":  # a planning host's fake group moves nothing
         rows = measure_collectives(group, device, opts, say)

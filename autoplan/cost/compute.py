@@ -12,7 +12,7 @@ from autoplan.adapters.dtensor import TensorMeta
 from autoplan.adapters.pytree import tree_map
 from autoplan.cost.flops import node_flops
 from autoplan.shard.strategies import aliases_input
-from autoplan.trace import regions
+from autoplan.trace import attention, regions
 
 
 def is_free(node: fx.Node) -> bool:
@@ -27,6 +27,12 @@ def flops_of(node: fx.Node) -> float:
     args = tree_map(to_val, node.args)
     kwargs = tree_map(to_val, node.kwargs)
     return node_flops(node.target, args, kwargs, node.meta.get("val"))
+
+
+def kernel_kind(node: fx.Node) -> str:
+    """Which of a device profile's efficiency curves prices ``node``: "attention" for fused SDPA
+    kernels (forward and backward), "matmul" for every other op with FLOPs."""
+    return "attention" if node.target in attention.SDPA_OPS else "matmul"
 
 
 def compute_dtype(tensors: Sequence[TensorMeta]) -> torch.dtype:

@@ -28,7 +28,7 @@ from autoplan.adapters.dtensor import (
     tensor_key,
     tensor_meta,
 )
-from autoplan.cost.compute import compute_dtype, flops_of, is_free
+from autoplan.cost.compute import compute_dtype, flops_of, is_free, kernel_kind
 from autoplan.cost.devices import H100_SXM, DeviceProfile
 from autoplan.cost.network import MeshTopology, collective_seconds
 from autoplan.shard.strategies import Strategy, output_vals, tensor_inputs
@@ -87,9 +87,12 @@ def work_split(
     return math.prod(n for d, n in enumerate(mesh_shape) if splits(d))
 
 
-def roofline_seconds(flops: float, nbytes: float, dtype: torch.dtype, profile: DeviceProfile) -> float:
-    """One kernel: bound by compute or HBM traffic, whichever is slower, never faster than a launch."""
-    compute = flops / (profile.flops_for(dtype) * profile.efficiency_at(flops))
+def roofline_seconds(
+    flops: float, nbytes: float, dtype: torch.dtype, profile: DeviceProfile, kind: str = "matmul"
+) -> float:
+    """One kernel: bound by compute (at the efficiency the profile gives a ``kind`` kernel of its
+    size) or HBM traffic, whichever is slower, never faster than a launch."""
+    compute = flops / (profile.flops_for(dtype) * profile.efficiency_at(flops, dtype, kind))
     memory = nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency)
     return max(compute, memory) + profile.kernel_launch
 
@@ -622,10 +625,14 @@ class CostModel:
         flops = self._flops.get(node)
         if flops is None:
             flops = self._flops[node] = flops_of(node)
+        kind = kernel_kind(node)
         return np.array(
             [
                 self.compute_cost(
-                    flops, list(zip(ins, s.inputs)), [(m, s.outputs[i]) for i, m in outs if s.outputs[i] is not None]
+                    flops,
+                    list(zip(ins, s.inputs)),
+                    [(m, s.outputs[i]) for i, m in outs if s.outputs[i] is not None],
+                    kind=kind,
                 )
                 * self._load(node, s)
                 for s in strategies
@@ -659,6 +666,7 @@ class CostModel:
         outputs: Sequence[tuple[TensorMeta, Placements]],
         *,
         is_view: bool = False,
+        kind: str = "matmul",
     ) -> float:
         """Per-rank seconds of one op: roofline over its local shards, 0 for views/aliases (no kernel runs)."""
         if is_view:
@@ -666,4 +674,4 @@ class CostModel:
         shape = self.topology.shape
         nbytes = sum(local_bytes(meta, placements, shape) for meta, placements in (*inputs, *outputs))
         dtype = compute_dtype([meta for meta, _ in (*inputs, *outputs)])
-        return roofline_seconds(flops / work_split(inputs, outputs, shape), nbytes, dtype, self.profile)
+        return roofline_seconds(flops / work_split(inputs, outputs, shape), nbytes, dtype, self.profile, kind)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -42,28 +43,62 @@ class DeviceProfile:
     bandwidth_efficiency: float  # achievable fraction of HBM / link bandwidth
     kernel_launch: float  # floor per launched kernel, s
     nvls: bool = False  # the node's switch reduces in-network (NVLink SHARP): all-reduce moves each byte once
-    # measured (``autoplan calibrate``): (FLOPs of one kernel, fraction of the peak it reaches), by size;
+    # measured (``autoplan calibrate``): (kernel kind, dtype name, FLOPs of one kernel, fraction of the
+    # dtype's peak it reaches), by size, per kind ("matmul"; "attention": SDPA kernels) and dtype;
     # empty: every kernel reaches ``compute_efficiency``
-    matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    kernel_efficiency: tuple[tuple[str, str, float, float], ...] = ()
     # the fraction of a layer's compute that communication can run under: 1 where collectives have
     # their own stream or engine (NCCL); measured by ``autoplan calibrate`` where they compete with
     # compute for the same cores (gloo's threads on a small CPU)
     comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
-        curve = self.matmul_efficiency
-        if any(f <= 0 or not 0 < e <= 1 for f, e in curve) or list(curve) != sorted(curve):
-            raise ValueError(
-                f"profile {self.name!r}: matmul_efficiency must be (FLOPs > 0, fraction in (0, 1]) pairs in"
-                f" increasing FLOPs, got {curve}"
-            )
+        for (kind, dtype), curve in self._curves.items():
+            points = [(f, e) for f, e in curve]
+            if kind not in KERNEL_KINDS or any(f <= 0 or not 0 < e <= 1 for f, e in points) or points != sorted(points):
+                raise ValueError(
+                    f"profile {self.name!r}: kernel_efficiency of ({kind!r}, {dtype!r}) must be (FLOPs > 0,"
+                    f" fraction in (0, 1]) pairs in increasing FLOPs for a kind in {KERNEL_KINDS}, got {points}"
+                )
         if not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"profile {self.name!r}: comm_overlap is a fraction in [0, 1], got {self.comm_overlap}")
 
-    def efficiency_at(self, flops: float) -> float:
-        """The fraction of the peak a kernel of ``flops`` reaches: ``compute_efficiency`` times the
-        measured curve, linear in log FLOPs between its points and flat past its ends."""
-        curve = self.matmul_efficiency
+    @functools.cached_property
+    def _curves(self) -> dict[tuple[str, str], tuple[tuple[float, float], ...]]:
+        curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for kind, dtype, flops, fraction in self.kernel_efficiency:
+            curves.setdefault((kind, dtype), []).append((flops, fraction))
+        return {k: tuple(v) for k, v in curves.items()}
+
+    def curve_for(self, kind: str, dtype: torch.dtype) -> tuple[tuple[float, float], ...]:
+        """The measured (FLOPs, fraction) points of ``kind`` kernels in ``dtype``. A dtype not measured
+        takes the curve of the measured one whose peak rate is nearest (fp8 that of bf16, say); a kind
+        not measured, the matmul's; nothing measured, an empty curve."""
+        found = self._curve_memo.get((kind, dtype))
+        if found is None:
+            found = self._curve_memo[kind, dtype] = self._find_curve(kind, dtype)
+        return found
+
+    @functools.cached_property
+    def _curve_memo(self) -> dict:
+        return {}
+
+    def _find_curve(self, kind: str, dtype: torch.dtype) -> tuple[tuple[float, float], ...]:
+        for k in (kind, "matmul"):
+            measured = {d: c for (kk, d), c in self._curves.items() if kk == k}
+            if measured:
+                if dtype_name(dtype) in measured:
+                    return measured[dtype_name(dtype)]
+                rate = math.log(self.flops_for(dtype))
+                nearest = min(sorted(measured), key=lambda d: abs(math.log(self.flops_for(_dtype(d))) - rate))
+                return measured[nearest]
+        return ()
+
+    def efficiency_at(self, flops: float, dtype: torch.dtype = torch.float32, kind: str = "matmul") -> float:
+        """The fraction of the peak a ``kind`` kernel of ``flops`` in ``dtype`` reaches:
+        ``compute_efficiency`` times the measured curve, linear in log FLOPs between its points and
+        flat past its ends."""
+        curve = self.curve_for(kind, dtype)
         if not curve:
             return self.compute_efficiency
         xs = [math.log(f) for f, _ in curve]
@@ -94,6 +129,13 @@ class DeviceProfile:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+KERNEL_KINDS = ("matmul", "attention")
 
 
 # NVIDIA H100 SXM5 80GB. Source: NVIDIA H100 Tensor Core GPU datasheet (dense figures are half the
@@ -210,7 +252,7 @@ DEVICE_PROFILES = {
 
 
 PROFILE_FORMAT = "autoplan-device-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: kernel_efficiency per kind and dtype (1 had one matmul curve for every dtype)
 
 
 def profile_to_json(profile: DeviceProfile, measured: dict | None = None) -> str:
@@ -226,21 +268,25 @@ def profile_from_json(path: str | Path) -> DeviceProfile:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ConstraintError(f"{path}: not an autoplan device profile (no 'format': {PROFILE_FORMAT!r})")
-    if data.get("version") != PROFILE_VERSION:
+    if data.get("version") not in (1, PROFILE_VERSION):
         raise ConstraintError(
-            f"{path}: device profile version {data.get('version')}; this autoplan reads version {PROFILE_VERSION}"
+            f"{path}: device profile version {data.get('version')}; this autoplan reads versions 1 to {PROFILE_VERSION}"
         )
     fields = data.get("profile")
     if not isinstance(fields, dict):
         raise ConstraintError(f"{path}: a device profile file needs a 'profile' object")
+    if data["version"] == 1:  # its one matmul curve stood for every dtype
+        fields = dict(fields)
+        curve = fields.pop("matmul_efficiency", ())
+        fields["kernel_efficiency"] = [("matmul", d, f, e) for d, _ in fields.get("peak_flops", ()) for f, e in curve]
     known = {f.name: f for f in dataclasses.fields(DeviceProfile)}
     unknown = sorted(set(fields) - set(known))
     missing = sorted(k for k, f in known.items() if k not in fields and f.default is dataclasses.MISSING)
     if unknown or missing:
         raise ConstraintError(f"{path}: device profile fields unknown {unknown}, missing {missing}")
     fields = dict(fields)
-    for key in ("peak_flops", "matmul_efficiency"):
-        fields[key] = tuple(tuple(pair) for pair in fields.get(key, ()))
+    for key in ("peak_flops", "kernel_efficiency"):
+        fields[key] = tuple(tuple(row) for row in fields.get(key, ()))
     try:
         return DeviceProfile(**fields)
     except ValueError as e:

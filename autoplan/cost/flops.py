@@ -16,7 +16,7 @@ from autoplan.trace import attention, grouped_mm, regions
 aten = torch.ops.aten
 
 
-def _sdpa_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], is_causal: bool) -> float:
+def sdpa_flops(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], is_causal: bool) -> float:
     """QK^T plus PV (2*b*h*s_q*s_kv*(d_qk + d_v)); a causal mask skips about half the blocks.
 
     ``h`` is the query heads: with grouped-query attention every query head still multiplies
@@ -32,7 +32,7 @@ def _sdpa_kernel_flops(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str,
     """Forward: 2 GEMMs. Backward (flash-style) recomputes the scores and runs four more: 2.5x the forward."""
     spec = attention.SDPA_OPS[op]
     q, k, v = (spec.arg(args, kwargs, role) for role in ("query", "key", "value"))
-    flops = _sdpa_flops(q.shape, k.shape, v.shape, attention.is_causal(spec, args, kwargs))
+    flops = sdpa_flops(q.shape, k.shape, v.shape, attention.is_causal(spec, args, kwargs))
     return 2.5 * flops if spec.backward else flops
 
 
