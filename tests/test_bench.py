@@ -9,6 +9,7 @@ from conftest import init_fake_world
 
 from autoplan.bench import main
 from autoplan.bench.collective_free import collective_free
+from autoplan.cost.devices import CPU_GLOO
 
 c10d = torch.ops._c10d_functional
 
@@ -49,6 +50,7 @@ def test_overhead_on_llama_debug(tmp_path, capsys):
     assert main([*argv, "--seq", "32", "--batch", "2", "--steps", "2", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["mesh"], r["local_batch"], r["global_batch"], r["seq"], r["layers"]) == ([2, 4], 2, 4, 32, 2)
+    assert r["device_profile"] == CPU_GLOO.name  # timed on the CPU, so priced for it
     for name in ("planned", "plain"):
         p = r[name]
         assert len(p["step_s"]["all"]) == 2 and all(t > 0 for t in p["step_s"]["all"])

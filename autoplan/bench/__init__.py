@@ -57,7 +57,9 @@ def _planned(args: argparse.Namespace):
     model, cfg = named_model(args.model, getattr(torch, args.dtype), getattr(args, "layers", None), len(shape))
     batch, seq = model_batch(cfg, args.batch, args.seq, shape[0])
     vocab = cfg.vocab_size
-    ap = AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)))
+    ap = AutoParallel(
+        model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)), device_profile=_profile(args)
+    )
     with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
         ap.add_input_constraints([batch_pl])
@@ -69,6 +71,11 @@ def _planned(args: argparse.Namespace):
             ap.add_recompute_constraint("layers.*", args.recompute)
         plan = ap.optimize_placement()
     return ap, plan, shape, batch, seq
+
+
+def _profile(args: argparse.Namespace) -> str:
+    """The profile a plan is priced for: ``--device-profile`` where the benchmark takes one, else the H100."""
+    return getattr(args, "device_profile", None) or "h100"
 
 
 def _applied(ap, plan) -> dict:
@@ -293,6 +300,7 @@ def _programs(args: argparse.Namespace, keep_plan: bool = False) -> tuple[list[_
         "collectives_made_free": collectives,
         "param_placements": {k: str(v) for k, v in plan.param_placements.items()},
         "planned_cost_s": plan.cost.total,
+        "device_profile": plan.device,
     }
     if keep_plan:
         info["plan"] = plan
@@ -326,6 +334,9 @@ def run_overhead(args: argparse.Namespace) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a GPU (torch.cuda.is_available() is False)")
     torch.set_flush_denormal(True)  # uninitialised "gathered" values must not hit slow denormal paths
+    # timed on this device, so priced for it: a plan priced for an H100 but run on a CPU would be
+    # judged by costs it was not made for (relayout copies nearly free at HBM speed, say)
+    args.device_profile = args.device_profile or ("cpu" if args.device == "cpu" else "h100")
     if args.compile:  # compile times from a cold cache: nothing reused from earlier runs on this machine
         cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoplan-bench-inductor-")
         atexit.register(shutil.rmtree, cache, True)
@@ -392,7 +403,7 @@ def _print_overhead(r: dict) -> None:
     compiled = " compiled (planned: regional Inductor, plain: torch.compile)" if r["compile"] else ""
     print(
         f"{r['model']} x{r['layers']} layers, mesh {r['mesh']}, local batch {r['local_batch']}x{r['seq']},"
-        f" {r['dtype']} on {r['device']}{compiled}"
+        f" {r['dtype']} on {r['device']}{compiled}, planned for {r['device_profile']}"
     )
     print(f"collectives made free: {r['collectives_made_free']}")
     for name in ("planned", "plain")[: 2 if "plain" in r else 1]:
@@ -521,11 +532,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--steps", type=int, default=3, help="timed steps per program, after two warm-up steps")
     o.add_argument("--json", default=None, help="write the numbers to this file")
     o.add_argument(
+        "--device-profile",
+        default=None,
+        help="price the plan for this profile (name or JSON); default: the device it runs on (cpu or h100)",
+    )
+    o.add_argument(
         "--planned-only", action="store_true", help="skip the plain model (when a full copy does not fit this host)"
     )
     m = sub.add_parser("memory", help="rank 0's measured peak memory beside the plan's estimate")
     for action in o._actions[1:]:
-        if action.dest not in ("compile", "steps", "planned_only"):
+        if action.dest not in ("compile", "steps", "planned_only", "device_profile"):
             m._add_action(action)
     m.add_argument(
         "--recompute", choices=("none", "selective", "full"), default=None, help="pin every layer's recompute option"

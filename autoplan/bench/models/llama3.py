@@ -33,6 +33,9 @@ class LlamaConfig:
 
 LLAMA3_CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=64),
+    # the LLaMA-style model the CPU measurements use (validate, overhead): big enough that compute, not
+    # dispatch, takes most of a step on two cores
+    "small": LlamaConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, ffn_dim=1536, max_seq_len=256),
     "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336),
     "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672),
 }
