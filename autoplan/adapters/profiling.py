@@ -100,10 +100,18 @@ def _is_host_kernel(event) -> bool:
 
 def _timeline_peak(prof) -> int:
     """Peak of the bytes allocated inside the window and not yet freed (frees of older tensors do
-    not lower it: they were never counted)."""
+    not lower it: they were never counted).
+
+    The timeline comes from the profiler's data-flow analysis, which refuses some steps (a gloo
+    collective's in-place output: "version mismatch"); those fall back to the allocator's raw
+    events in order, where a free of an older tensor does lower the count."""
+    try:
+        timeline = prof._memory_profile().timeline
+    except AssertionError:
+        return _event_peak(prof)
     live = peak = 0
     created: set = set()
-    for _, action, (key, _), size in prof._memory_profile().timeline:
+    for _, action, (key, _), size in timeline:
         if action == Action.CREATE:
             created.add(key)
             live += size
@@ -111,4 +119,15 @@ def _timeline_peak(prof) -> int:
             created.discard(key)
             live -= size
         peak = max(peak, live)
+    return peak
+
+
+def _event_peak(prof) -> int:
+    """Peak of the running sum of the window's allocations and frees on the host."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        if e.device_type() == DeviceType.CPU:
+            live += e.nbytes()
+            peak = max(peak, live)
     return peak

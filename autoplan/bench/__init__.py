@@ -31,6 +31,7 @@ import torch
 from autoplan.adapters.inductor import profile_cpp_kernels
 from autoplan.bench import gpu, validate
 from autoplan.bench.collective_free import collective_free_executor
+from autoplan.bench.loss import backward_step
 from autoplan.bench.workloads import fake_mesh, model_batch, model_config, named_model, parse_mesh
 
 
@@ -165,21 +166,6 @@ def run_apply(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------------------------- overhead
 
 
-class _DenseSum(torch.autograd.Function):
-    """A loss shaped like cross-entropy's memory, with none of its own: the forward frees the
-    logits (nothing saved) and the backward hands them a dense gradient of their size. ``mean``
-    would upcast bf16 logits to an fp32 copy on CPU, a cost of the bench and not of the plan."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
-        ctx.shape = logits.shape
-        return logits.sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.expand(ctx.shape).contiguous()
-
-
 @dataclasses.dataclass
 class _Program:
     """One program under test: the module, what runs it (compiled or not) and its input."""
@@ -198,8 +184,8 @@ class _Program:
             p.grad = None
 
     def step(self) -> None:
-        """Forward and backward of the same loss for both programs (see ``_DenseSum``)."""
-        _DenseSum.apply(self.run(self.tokens)).backward()
+        """Forward and backward of the same loss for both programs (see ``loss.DenseSum``)."""
+        backward_step(self.run, self.tokens)
 
     def resident_bytes(self) -> int:
         """Bytes this program keeps between steps: its (local) parameters and buffers, and its input."""

@@ -28,6 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
+from autoplan.bench.loss import backward_step
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
 from autoplan.errors import AutoplanError
 
@@ -119,7 +120,7 @@ def _step(run: _Run, local: torch.Tensor, device: str, free: bool) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        run.pmod(local).float().pow(2).mean().backward()
+        backward_step(run.pmod, local)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -129,6 +130,24 @@ def _step(run: _Run, local: torch.Tensor, device: str, free: bool) -> float:
         run.opt.step()
     run.opt.zero_grad()
     return seconds
+
+
+def _measured_peak(run: _Run, local: torch.Tensor, device: str) -> float:
+    """This rank's peak bytes over one real step: what it keeps between steps (local parameters,
+    buffers, optimizer states, its input) plus the allocator's rise during the forward and
+    backward, as ``bench memory`` measures it; the plan's estimate counts the same parts."""
+    from torch.distributed.tensor import DTensor
+
+    from autoplan.adapters.profiling import profile_step
+
+    run.opt.zero_grad()
+    dist.barrier()
+    rise = profile_step(lambda: backward_step(run.pmod, local), device).memory_rise
+    run.opt.zero_grad()
+    states = [v for s in run.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    kept = [*run.pmod.parameters(), *run.pmod.buffers(), *states, local]
+    kept = [t.to_local() if isinstance(t, DTensor) else t for t in kept]
+    return float(sum({id(s): s.nbytes() for s in (t.untyped_storage() for t in kept)}.values()) + rise)
 
 
 def run_validate(args: argparse.Namespace) -> dict | None:
@@ -167,12 +186,16 @@ def run_validate(args: argparse.Namespace) -> dict | None:
         for run in order:
             run.steps.append(_step(run, local, device, False))
             run.free_steps.append(_step(run, local, device, True))
-    times = torch.tensor([[*r.steps, *r.free_steps] for r in runs], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    peaks = [_measured_peak(run, local, device) for run in runs]
+    times = torch.tensor(
+        [[*r.steps, *r.free_steps, p] for r, p in zip(runs, peaks)], dtype=torch.float64, device=device
+    )
+    # a step lasts as long as its slowest rank; the peak is the fullest rank's
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
     rows = []
     for run, t in zip(runs, times.tolist()):
         c = run.plan.cost
-        measured, compute = statistics.median(t[: args.steps]), statistics.median(t[args.steps :])
+        measured, compute = statistics.median(t[: args.steps]), statistics.median(t[args.steps : 2 * args.steps])
         predicted, predicted_compute = c.total, c.compute_forward + c.compute_backward
         rows.append(
             {
@@ -187,6 +210,7 @@ def run_validate(args: argparse.Namespace) -> dict | None:
                 "measured_comm_ms": max(measured - compute, 0.0) * 1e3,
                 "steps_ms": [x * 1e3 for x in t[: args.steps]],
                 "estimated_peak_mib": run.plan.memory.peak_bytes / 2**20,
+                "measured_peak_mib": t[-1] / 2**20,
             }
         )
     tau = kendall_tau([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
@@ -209,12 +233,13 @@ def run_validate(args: argparse.Namespace) -> dict | None:
 def _print(result: dict) -> None:
     print(f"{result['model']} on mesh {result['mesh']} ({result['device']}), priced for {result['profile']}")
     print(f"{'plan':<9} {'predicted':>10} {'measured':>10} {'error':>7}", end="")
-    print(f"   {'compute pred/meas':>19}   {'comm pred/meas':>17}")
+    print(f"   {'compute pred/meas':>19}   {'comm pred/meas':>17}   {'peak est/meas':>19}")
     for r in result["plans"]:
         print(
             f"{r['plan']:<9} {r['predicted_ms']:>8.2f}ms {r['measured_ms']:>8.2f}ms {r['error']:>+7.0%}"
             f"   {r['predicted_compute_ms']:>8.2f}/{r['measured_compute_ms']:<8.2f}ms"
             f"   {r['predicted_exposed_comm_ms']:>7.2f}/{r['measured_comm_ms']:<7.2f}ms"
+            f"   {r['estimated_peak_mib']:>8.1f}/{r['measured_peak_mib']:<8.1f}MiB"
         )
     for name, why in result["refused"].items():
         print(f"{name:<9} not run: {why}")
