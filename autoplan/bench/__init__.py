@@ -31,7 +31,6 @@ import torch
 from autoplan.adapters.inductor import profile_cpp_kernels
 from autoplan.bench import gpu, validate
 from autoplan.bench.collective_free import collective_free_executor
-from autoplan.bench.host import keep_freed_host_memory
 from autoplan.bench.loss import backward_step
 from autoplan.bench.workloads import fake_mesh, model_batch, model_config, named_model, parse_mesh
 
@@ -321,7 +320,6 @@ def run_overhead(args: argparse.Namespace) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a GPU (torch.cuda.is_available() is False)")
     torch.set_flush_denormal(True)  # uninitialised "gathered" values must not hit slow denormal paths
-    kept = args.device == "cpu" and keep_freed_host_memory()
     # timed on this device, so priced for it: a plan priced for an H100 but run on a CPU would be
     # judged by costs it was not made for (relayout copies nearly free at HBM speed, say)
     args.device_profile = args.device_profile or ("cpu" if args.device == "cpu" else "h100")
@@ -349,7 +347,6 @@ def run_overhead(args: argparse.Namespace) -> dict:
         "compile": args.compile,
         "local_batch": args.batch,
         "steps": args.steps,
-        "host_allocator": "keeps freed memory" if kept else "default",
         **info,
     }
     for prog in programs:

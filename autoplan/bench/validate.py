@@ -28,7 +28,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
-from autoplan.bench.host import keep_freed_host_memory
 from autoplan.bench.loss import backward_step
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
 from autoplan.errors import AutoplanError
@@ -171,8 +170,6 @@ def run_validate(args: argparse.Namespace) -> dict | None:
             else "validate: --steps must be at least 1"
         )
     torch.set_flush_denormal(True)  # a CPU's denormal floats would time arithmetic, not the plan
-    if device == "cpu":
-        keep_freed_host_memory()  # a step's fresh buffers reuse freed memory, as on a GPU
     runs, refused = [], {}
     for name in names:
         try:
