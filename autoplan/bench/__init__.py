@@ -31,7 +31,7 @@ import torch
 from autoplan.adapters.inductor import profile_cpp_kernels
 from autoplan.bench import gpu, validate
 from autoplan.bench.collective_free import collective_free_executor
-from autoplan.bench.loss import backward_step
+from autoplan.bench.steps import backward_step, kept_bytes
 from autoplan.bench.workloads import fake_mesh, model_batch, model_config, named_model, parse_mesh
 
 
@@ -184,16 +184,12 @@ class _Program:
             p.grad = None
 
     def step(self) -> None:
-        """Forward and backward of the same loss for both programs (see ``loss.DenseSum``)."""
+        """Forward and backward of the same loss for both programs (see ``steps.DenseSum``)."""
         backward_step(self.run, self.tokens)
 
     def resident_bytes(self) -> int:
         """Bytes this program keeps between steps: its (local) parameters and buffers, and its input."""
-        from torch.distributed.tensor import DTensor
-
-        tensors = [*self.module.parameters(), *self.module.buffers(), self.tokens]
-        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        return sum({id(s): s.nbytes() for s in (t.untyped_storage() for t in local)}.values())
+        return kept_bytes([*self.module.parameters(), *self.module.buffers(), self.tokens])
 
 
 def _sync(device: str) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
-from autoplan.bench.loss import backward_step
+from autoplan.bench.steps import backward_step, kept_bytes
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
 from autoplan.errors import AutoplanError
 
@@ -136,8 +136,6 @@ def _measured_peak(run: _Run, local: torch.Tensor, device: str) -> float:
     """This rank's peak bytes over one real step: what it keeps between steps (local parameters,
     buffers, optimizer states, its input) plus the allocator's rise during the forward and
     backward, as ``bench memory`` measures it; the plan's estimate counts the same parts."""
-    from torch.distributed.tensor import DTensor
-
     from autoplan.adapters.profiling import profile_step
 
     run.opt.zero_grad()
@@ -145,9 +143,7 @@ def _measured_peak(run: _Run, local: torch.Tensor, device: str) -> float:
     rise = profile_step(lambda: backward_step(run.pmod, local), device).memory_rise
     run.opt.zero_grad()
     states = [v for s in run.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    kept = [*run.pmod.parameters(), *run.pmod.buffers(), *states, local]
-    kept = [t.to_local() if isinstance(t, DTensor) else t for t in kept]
-    return float(sum({id(s): s.nbytes() for s in (t.untyped_storage() for t in kept)}.values()) + rise)
+    return float(kept_bytes([*run.pmod.parameters(), *run.pmod.buffers(), *states, local]) + rise)
 
 
 def run_validate(args: argparse.Namespace) -> dict | None:

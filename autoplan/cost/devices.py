@@ -53,9 +53,12 @@ class DeviceProfile:
     comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
-        for (kind, dtype), curve in self._curves.items():
-            points = [(f, e) for f, e in curve]
-            if kind not in KERNEL_KINDS or any(f <= 0 or not 0 < e <= 1 for f, e in points) or points != sorted(points):
+        for (kind, dtype), points in self._curves.items():
+            if (
+                kind not in KERNEL_KINDS
+                or any(f <= 0 or not 0 < e <= 1 for f, e in points)
+                or points != tuple(sorted(points))
+            ):
                 raise ValueError(
                     f"profile {self.name!r}: kernel_efficiency of ({kind!r}, {dtype!r}) must be (FLOPs > 0,"
                     f" fraction in (0, 1]) pairs in increasing FLOPs for a kind in {KERNEL_KINDS}, got {points}"

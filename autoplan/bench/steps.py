@@ -1,10 +1,12 @@
-"""The loss every benchmark that runs a step backpropagates through."""
+"""What every benchmark that runs a training step shares: the loss it backpropagates through, and
+how it counts the bytes a rank keeps between steps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class DenseSum(torch.autograd.Function):
@@ -25,3 +27,9 @@ class DenseSum(torch.autograd.Function):
 def backward_step(model: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> None:
     """One forward and backward of ``model`` (a module, or what compiled it) on ``inputs`` through ``DenseSum``."""
     DenseSum.apply(model(inputs)).backward()
+
+
+def kept_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors`` (a DTensor counts its local shard), each storage once."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum({id(s): s.nbytes() for s in (t.untyped_storage() for t in local)}.values())
