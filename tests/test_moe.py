@@ -6,7 +6,7 @@ import torch
 from conftest import fake_mesh
 from parallel_run import check_run, graph_report, one_value, parallel_run, plan_and_apply, reference_run
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel, ConstraintError
 from autoplan.trace.grouped_mm import expert_block, grouped_mm
@@ -185,3 +185,41 @@ def test_moe_plans_run_on_gloo_eager_and_regionally_compiled():
         assert len(rank_results) == len(configs)
         for r in rank_results:
             check_run(r)
+
+
+def test_moe_transformer_counts_the_tokens_it_drops():
+    """With the capacity at the mean load (``capacity_factor=1.0``), each dp rank drops the routed
+    tokens past its busier experts' capacity, and a planned step leaves in every MoE's replicated
+    ``tokens_dropped`` buffer the sum over the ranks: what one device counts running each rank's
+    rows on their own (the whole batch at once, with its larger capacity, would drop others)."""
+    import dataclasses
+
+    from autoplan.bench.models.moe import MOE_CONFIGS, MoETransformer
+
+    cfg = dataclasses.replace(MOE_CONFIGS["debug"], capacity_factor=1.0, count_dropped=True)
+    batch = torch.randint(0, cfg.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ref = MoETransformer(cfg)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    with torch.no_grad():
+        for rows in batch.chunk(2):  # dp rank r holds rows 4r..4r+3
+            ref(rows)
+    expected = [int(layer.feed_forward.tokens_dropped) for layer in ref.layers]
+    assert all(n > 0 for n in expected)
+
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    with AutoParallel(model, mesh, input_fn=lambda: batch) as ap:
+        ap.add_input_constraints([(S0, R)])
+        ap.add_output_constraints([(S0, R)])
+        pmod = ap.apply_placement(ap.optimize_placement())
+    pmod.to_empty(device="cpu")
+    pmod.init_weights()
+    pmod.load_state_dict(state)
+    with LocalTensorMode(8):
+        local = distribute_tensor(batch, mesh, (S0, R)).to_local()
+        out = pmod(local)
+        DTensor.from_local(out, mesh, (S0, R), run_check=False).mean().backward()
+        counted = [int(one_value(layer.feed_forward.tokens_dropped)) for layer in pmod.layers]
+    assert counted == expected, (counted, expected)

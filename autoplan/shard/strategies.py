@@ -224,6 +224,12 @@ def _factory_rows(node: fx.Node) -> list[tuple]:
     return []
 
 
+def _check_rows(node: fx.Node) -> list[tuple]:
+    """A runtime check a decomposition leaves (``_assert_async``, e.g. one_hot's range check on the
+    class ids): it reads the whole value, so every rank checks it replicated."""
+    return []
+
+
 # Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...),
 # or None where DTensor's rule serves. DTensor's GPU attention rules cannot take the RNG and
 # integer values their backward reads; its grouped matmul rules never split the experts; it has
@@ -237,6 +243,7 @@ _OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple] | None]] = {
         + (aten.full.default, aten.scalar_tensor.default, aten.lift_fresh_copy.default),
         _factory_rows,
     ),
+    **dict.fromkeys((aten._assert_async.default, aten._assert_async.msg), _check_rows),
 }
 
 

@@ -33,6 +33,9 @@ class MoEConfig(LlamaConfig):
     n_shared: int = 1  # shared experts, as one FFN of ``n_shared * expert_dim``
     n_dense_layers: int = 1  # the first layers keep a dense FFN of ``ffn_dim``
     capacity_factor: float = 1.25
+    # count the routed tokens past capacity in each MoE's ``tokens_dropped`` buffer; a model that
+    # writes buffers is traced whole (functionalized), not two layers stamped, so planning is slower
+    count_dropped: bool = False
     aux_loss_weight: float = 1e-2
     mesh_ndim: int = 2  # the routing regions split tokens over the first mesh dim
 
@@ -80,17 +83,17 @@ def _dispatch(cfg: MoEConfig):
     rows = (Shard(0),) + (Replicate(),) * (cfg.mesh_ndim - 1)
     slots = (Shard(1),) + (Replicate(),) * (cfg.mesh_ndim - 1)
 
-    @local_map(out_placements=(slots, rows), in_placements=(rows, rows))
+    @local_map(out_placements=(slots, rows, rows), in_placements=(rows, rows))
     def dispatch(tokens: torch.Tensor, chosen: torch.Tensor):
         """This rank's tokens into its slots of each expert's buffer; a slot past the capacity goes
-        to a spare row, dropped."""
+        to a spare row, dropped. Also returns how many routed tokens this rank dropped (shape [1])."""
         e, k, cap = cfg.n_experts, cfg.top_k, _capacity(tokens.shape[0], cfg)
         flat = chosen.reshape(-1)
         onehot = F.one_hot(flat, e)
         slot = ((onehot.cumsum(0) * onehot).sum(-1) - 1).clamp(max=cap)
         buffer = tokens.new_zeros(e, cap + 1, tokens.shape[1])
         buffer = buffer.index_put((flat, slot), tokens.repeat_interleave(k, 0))
-        return buffer[:, :cap], slot
+        return buffer[:, :cap], slot, (slot == cap).sum().reshape(1)
 
     return dispatch
 
@@ -122,6 +125,9 @@ class MoE(nn.Module):
         shared = LlamaConfig(cfg.dim, 1, 1, 1, 1, cfg.n_shared * cfg.expert_dim) if cfg.n_shared else None
         self.shared = FeedForward(shared) if shared else None
         self.dispatch, self.combine = _dispatch(cfg), _combine(cfg)
+        # routed tokens (token x choice) past their expert's capacity, summed over steps and ranks
+        if cfg.count_dropped:
+            self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         with torch.no_grad():
             self.init_weights(0.02)
 
@@ -133,7 +139,9 @@ class MoE(nn.Module):
         # load balance: the experts' share of the routed tokens times their mean probability
         share = F.one_hot(chosen, self.cfg.n_experts).sum(1).float().mean(0) / self.cfg.top_k
         aux = self.cfg.aux_loss_weight * self.cfg.n_experts * (share * probs.mean(0)).sum()
-        buffer, slot = self.dispatch(tokens, chosen)
+        buffer, slot, dropped = self.dispatch(tokens, chosen)
+        if self.cfg.count_dropped:
+            self.tokens_dropped.add_(dropped.sum())
         out = torch.bmm(F.silu(torch.bmm(buffer, self.w1)) * torch.bmm(buffer, self.w3), self.w2)
         y = self.combine(out, chosen, slot, scores.to(out.dtype)).reshape(b, s, d)
         if self.shared is not None:
@@ -142,6 +150,8 @@ class MoE(nn.Module):
 
     def init_weights(self, std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, std=0.02)
+        if self.cfg.count_dropped:
+            self.tokens_dropped.zero_()
         for w, s in ((self.w1, 0.02), (self.w3, std), (self.w2, std)):
             nn.init.trunc_normal_(w, std=s)
         if self.shared is not None:
