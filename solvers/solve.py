@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from .bound import screening
+from .bound import reduced_costs, screening, tightened
 from .highs_backend import available as highs_available
 from .highs_backend import solve_highs
 from .model import LinearModel
+from .pricing import priced_lp
 from .pulp_backend import solve_cbc
 from .result import (
     OPTIMALITY_GAP,
@@ -46,6 +47,10 @@ DENSE_ROW = 10
 # A screened solve's first limit: the screen's bound plus this fraction of it. A guess: once the
 # solve finds a point under it the screen was sound; above it, the point found is the next limit.
 SCREEN_MARGIN = 0.25
+# Column generation (``_priced``) starts from each pool row's this many columns of least reduced
+# cost under the screen's multipliers: with one, the first LP leans on its artificial columns and
+# is slow; with two, later rounds add few columns (3-D placement LPs: about 10% of the pool).
+FIRST_PER_ROW = 2
 
 
 @dataclass(frozen=True)
@@ -299,12 +304,14 @@ def solve(
     # every pass gets what is left of the time limit from here, a screened try's time included
     started = perf_counter()
     screening_ok = screen is not None and o.lp_first and model.n_integer > 0
-    if screening_ok and start is None and not o.keep_start and screen.y is not None:
-        if (found := _screened(model, screen, whole, rounding, o.time_limit, _backend_name(o.backend))) is not None:
-            return found
     name = _backend_name(o.backend)
     opts = SolverOptions(o.time_limit, o.mip_rel_gap, o.threads, o.verbose, log=o.log)
     st = _Solve(model, o, name, _BACKENDS[name], opts, started)
+    if screening_ok and start is None and not o.keep_start and screen.y is not None:
+        if name == "highs" and (found := _priced(st, screen, rounding)) is not None:
+            return found
+        if (found := _screened(model, screen, whole, rounding, o.time_limit, name)) is not None:
+            return found
     if o.keep_start and start is not None and certify is not None and model.n_integer > 0:
         if (found := _kept_start(st, start, certify, screen if screening_ok else None, whole, rounding)) is not None:
             return found
@@ -413,6 +420,59 @@ def _completions(
         if gap <= max(st.options.mip_rel_gap, OPTIMALITY_GAP) and settled:
             return _result(model, st.name, st.passes, _within(gap), *st.best, st.lp_bound)
     return None
+
+
+def _first_columns(model: LinearModel, screen: Screen, pool: np.ndarray) -> np.ndarray:
+    """The pool columns column generation starts from: in each row, the ``FIRST_PER_ROW`` of least
+    reduced cost under the screen's multipliers."""
+    d, _ = reduced_costs(model, screen.y)
+    entries = pool[model.entry_col]
+    cols, rows = model.entry_col[entries], model.csc_row[entries]
+    order = np.lexsort((d[cols], rows))
+    rows, cols = rows[order], cols[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(rows)) + 1]
+    rank = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
+    first = np.zeros(model.n_cols, dtype=bool)
+    first[cols[rank < FIRST_PER_ROW]] = True
+    return first
+
+
+def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndarray] | None) -> SolveResult | None:
+    """The LP by column generation over the screen's continuous columns (``pricing.priced_lp``),
+    its point taken when integral; else integer points completed near it, or the MIP, over the
+    columns the LP used (its bound, the whole LP's, still bounds the whole model). ``None``: the
+    whole model is solved as usual."""
+    model = st.model
+    held = tightened(model)  # the same integer points, a tighter LP
+    pool = screen.unit & ~model.integer & (held.col_ub > 0)
+    found = priced_lp(held, pool, _first_columns(held, screen, pool), _remaining(st.opts, st.started))
+    if found is None:
+        return None
+    lp = found.solution
+    st.passes.append(lp)
+    st.lp_bound = lp.bound
+    if _is_integral(model, lp.x):
+        x = _rounded(model, lp.x)
+        return _result(model, st.name, st.passes, SolveStatus.OPTIMAL, x, model.objective_value(x), lp.bound, True)
+    sub, full, keep = model.restricted(~found.active, np.zeros(model.n_cols))
+    sub_st = _Solve(sub, st.options, st.name, st.run, _remaining(st.opts, st.started), perf_counter(), st.passes)
+    sub_st.lp_bound = lp.bound
+
+    def round_sub(xs: np.ndarray) -> np.ndarray:
+        x = full.copy()
+        x[keep] = xs
+        return rounding(x)[keep]
+
+    try:
+        point = _completions(sub_st, lp.x[keep], round_sub if rounding is not None else None, None) or _mip(sub_st)
+    except (InfeasibleError, SolverTimeoutError):
+        return None
+    if point.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+        return None
+    x = full.copy()
+    x[keep] = point.x
+    objective = model.objective_value(x)
+    return _result(model, st.name, st.passes, _within(relative_gap(objective, lp.bound)), x, objective, lp.bound)
 
 
 def _mip(st: _Solve) -> SolveResult:

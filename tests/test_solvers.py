@@ -646,6 +646,7 @@ def test_a_screened_solve_finds_the_optimum_whatever_its_first_limit(monkeypatch
 
     solve_module = importlib.import_module("solvers.solve")
     monkeypatch.setattr(solve_module, "SCREEN_MARGIN", margin)
+    monkeypatch.setattr(solve_module, "_priced", lambda *a: None)  # the screen, not column generation
     real, runs = solve_module._BACKENDS["highs"], []
     monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, *a: runs.append(m.n_cols) or real(m, *a))
     for seed in range(4):
@@ -705,6 +706,7 @@ def test_a_screened_solve_keeps_the_point_it_found_when_the_next_screen_runs_out
     y, unit = np.zeros(model.n_rows), _unit_columns(model)
     bound, _ = screening(model, y, unit)
     monkeypatch.setattr(solve_module, "SCREEN_MARGIN", (optimum - 0.5 - bound) / abs(bound))
+    monkeypatch.setattr(solve_module, "_priced", lambda *a: None)
     real, tries = solve_module._screened, []
 
     def screened(model, screen, whole, *rest):
@@ -733,6 +735,7 @@ def test_a_screened_try_that_gives_up_leaves_the_whole_model_what_is_left_of_the
     model, x = _pairwise_model(0)
     optimum = min(v for v, _ in _pairwise_points(model, x))
     monkeypatch.setattr(solve_module, "_screened", lambda *a, **k: time.sleep(0.3))
+    monkeypatch.setattr(solve_module, "_priced", lambda *a: None)
     real, limits = solve_module._BACKENDS["highs"], []
     monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, i, o: limits.append(o.time_limit) or real(m, i, o))
     screen = Screen(np.zeros(model.n_rows), _unit_columns(model))
@@ -740,3 +743,83 @@ def test_a_screened_try_that_gives_up_leaves_the_whole_model_what_is_left_of_the
     assert limits and all(t <= 9.7 for t in limits)
     with pytest.raises(SolverTimeoutError, match="time limit of 0.2 s"):
         solve(model, time_limit=0.2, mip_rel_gap=1e-9, screen=screen)
+
+
+def _chain_model(seed: int, units: int = 30, choices: int = 6, pin: bool = False):
+    """``_pairwise_model`` at scale: a chain of ``units`` units of ``choices`` choices, each edge
+    priced by pair as redistributions are (a pair of one placement costs little, a change much
+    more); with ``pin``, two pins no plan can meet together (the first unit's choice 0, and the
+    first edge without any pair leaving it)."""
+    rng = np.random.default_rng(seed)
+    b = ModelBuilder("chain")
+    x = b.add_vars(units * choices, cost=rng.uniform(0, 10, units * choices)).reshape(units, choices)
+    b.add_rows(np.repeat(np.arange(units), choices), x.ravel(), 1.0, 1.0, 1.0)
+    n = choices
+    for u in range(units - 1):
+        pairs = [(o, q) for o in range(n) for q in range(n) if not (pin and u == 0 and o == 0)]
+        o, q = np.array(pairs).T
+        e = b.add_vars(
+            len(pairs), cost=np.where(o == q, rng.uniform(0, 1, len(o)), rng.uniform(5, 50, len(o))), integer=False
+        )
+        rows = np.r_[o, n + q, np.arange(n), n + np.arange(n)]
+        cols = np.r_[e, e, x[u], x[u + 1]]
+        b.add_rows(rows, cols, np.r_[np.ones(2 * len(pairs)), -np.ones(2 * n)], 0.0, 0.0)
+    if pin:
+        b.add_rows([0], [x[0, 0]], 1.0, 1.0, 1.0, group="pin")
+    return b.build(), x
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("first", ["cheapest", "none"])
+def test_column_generation_reaches_the_whole_lp_over_few_columns(seed, first):
+    """From each row's cheapest pair, or from none (every row on its artificial column), pricing
+    adds the pair columns whose reduced cost is negative until none is: the LP optimum of the
+    whole model, its point feasible there; from the cheapest pairs, over a small part of them."""
+    from solvers.pricing import priced_lp
+
+    model, _ = _chain_model(seed)
+    whole, _ = _lp_duals(model)
+    pool = ~model.integer
+    start = np.zeros(model.n_cols, dtype=bool)
+    if first == "cheapest":
+        start[pool & (model.cost < 1.0)] = True
+    found = priced_lp(model, pool, start, SolverOptions())
+    assert found is not None and found.rounds > 1
+    assert found.solution.bound == pytest.approx(whole, rel=1e-9)
+    assert model.objective_value(found.solution.x) == pytest.approx(whole, rel=1e-9)
+    activity = model.activity(found.solution.x)
+    assert np.all(activity >= model.row_lo - 1e-7) and np.all(activity <= model.row_hi + 1e-7)
+    assert np.all(found.solution.x[~found.active] == 0)
+    if first == "cheapest":
+        assert (found.active & pool).sum() < 0.3 * pool.sum()
+
+
+def test_column_generation_gives_up_where_the_artificials_stay():
+    """A model no plan meets: the artificial columns stay in use, pricing says it cannot tell, and
+    the solve falls back to the whole model, whose infeasibility names the pin."""
+    from solvers import InfeasibleError, Screen
+    from solvers.pricing import priced_lp
+
+    model, _ = _chain_model(0, units=4, pin=True)
+    assert priced_lp(model, ~model.integer, np.zeros(model.n_cols, dtype=bool), SolverOptions()) is None
+    with pytest.raises(InfeasibleError) as err:
+        solve(model, screen=Screen(np.zeros(model.n_rows), np.ones(model.n_cols, dtype=bool)))
+    assert err.value.groups == ["pin"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_priced_solve_finds_the_optimum_with_a_true_bound(monkeypatch, seed):
+    """Without a start, a screened model's LP is solved by column generation (the backend never
+    gets the whole LP; a fractional point is completed by small MIPs) and the solve ends at the
+    brute-force optimum, its bound at most that."""
+    from solvers import Screen
+
+    solve_module = importlib.import_module("solvers.solve")
+    real, runs = solve_module._BACKENDS["highs"], []
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, i, o: runs.append((m.n_cols, i)) or real(m, i, o))
+    model, x = _pairwise_model(seed)
+    optimum = min(v for v, _ in _pairwise_points(model, x))
+    res = solve(model, mip_rel_gap=1e-9, screen=Screen(np.zeros(model.n_rows), _unit_columns(model)))
+    assert res.objective == pytest.approx(optimum, abs=1e-9) and res.bound <= optimum + 1e-9
+    assert res.x.shape == (model.n_cols,) and model.objective_value(res.x) == pytest.approx(optimum)
+    assert (model.n_cols, False) not in runs  # the LP is priced; what runs on the side completes its point
