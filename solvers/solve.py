@@ -51,6 +51,9 @@ SCREEN_MARGIN = 0.25
 # cost under the screen's multipliers: with one, the first LP leans on its artificial columns and
 # is slow; with two, later rounds add few columns (3-D placement LPs: about 10% of the pool).
 FIRST_PER_ROW = 2
+# Pricing stops once its LP is within this share of ``mip_rel_gap`` of its bound: the rest of the
+# gap is left for rounding the LP's point to a plan.
+PRICED_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -438,14 +441,16 @@ def _first_columns(model: LinearModel, screen: Screen, pool: np.ndarray) -> np.n
 
 
 def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndarray] | None) -> SolveResult | None:
-    """The LP by column generation over the screen's continuous columns (``pricing.priced_lp``),
-    its point taken when integral; else integer points completed near it, or the MIP, over the
-    columns the LP used (its bound, the whole LP's, still bounds the whole model). ``None``: the
-    whole model is solved as usual."""
+    """The LP by column generation over the screen's continuous columns (``pricing.priced_lp``,
+    stopped within a share of the gap asked), its point taken when integral; else integer points
+    completed near it, or the MIP, over the columns the LP used (its bound, one on the whole LP,
+    still bounds the whole model). ``None``: the whole model is solved as usual."""
     model = st.model
     held = tightened(model)  # the same integer points, a tighter LP
     pool = screen.unit & ~model.integer & (held.col_ub > 0)
-    found = priced_lp(held, pool, _first_columns(held, screen, pool), _remaining(st.opts, st.started))
+    first = _first_columns(held, screen, pool)
+    within = st.options.mip_rel_gap * PRICED_SHARE
+    found = priced_lp(held, pool, first, _remaining(st.opts, st.started), within)
     if found is None:
         return None
     lp = found.solution
@@ -453,7 +458,9 @@ def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndar
     st.lp_bound = lp.bound
     if _is_integral(model, lp.x):
         x = _rounded(model, lp.x)
-        return _result(model, st.name, st.passes, SolveStatus.OPTIMAL, x, model.objective_value(x), lp.bound, True)
+        objective = model.objective_value(x)
+        status = _within(relative_gap(objective, lp.bound))
+        return _result(model, st.name, st.passes, status, x, objective, lp.bound, lp_was_integral=True)
     sub, full, keep = model.restricted(~found.active, np.zeros(model.n_cols))
     sub_st = _Solve(sub, st.options, st.name, st.run, _remaining(st.opts, st.started), perf_counter(), st.passes)
     sub_st.lp_bound = lp.bound

@@ -823,3 +823,25 @@ def test_a_priced_solve_finds_the_optimum_with_a_true_bound(monkeypatch, seed):
     assert res.objective == pytest.approx(optimum, abs=1e-9) and res.bound <= optimum + 1e-9
     assert res.x.shape == (model.n_cols,) and model.objective_value(res.x) == pytest.approx(optimum)
     assert (model.n_cols, False) not in runs  # the LP is priced; what runs on the side completes its point
+
+
+def test_column_generation_stops_within_the_gap_it_is_given():
+    """With ``within``, pricing stops at the first round whose point is within that fraction of
+    Farley's bound: fewer rounds, a bound that still bounds the whole LP from below, and a point
+    feasible in the whole model within the fraction of it."""
+    from solvers.pricing import priced_lp
+    from solvers.result import relative_gap
+
+    model, _ = _chain_model(1, units=60)
+    whole, _ = _lp_duals(model)
+    pool = ~model.integer
+    first = pool & (model.cost < 1.0)  # half the cheap pairs left out
+    first[np.flatnonzero(first)[::2]] = False
+    full = priced_lp(model, pool, first, SolverOptions())
+    early = priced_lp(model, pool, first, SolverOptions(), within=0.2)
+    assert early.rounds < full.rounds
+    assert early.solution.bound <= whole + 1e-9 * abs(whole)
+    objective = model.objective_value(early.solution.x)
+    assert objective > whole and relative_gap(objective, early.solution.bound) <= 0.2
+    activity = model.activity(early.solution.x)
+    assert np.all(activity >= model.row_lo - 1e-7) and np.all(activity <= model.row_hi + 1e-7)
