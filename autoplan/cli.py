@@ -106,14 +106,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from autoplan.cost.calibrate import CalibrateOptions, calibrate, write_profile
+    from autoplan.run.group import join_group
 
     cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    owns_group = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("nccl" if cuda else "gloo")
+    owns_group = join_group(device.type, single=False)
     rank = dist.get_rank() if dist.is_initialized() else 0
     started = time.perf_counter()
 

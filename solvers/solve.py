@@ -51,9 +51,12 @@ SCREEN_MARGIN = 0.25
 # cost under the screen's multipliers: with one, the first LP leans on its artificial columns and
 # is slow; with two, later rounds add few columns (3-D placement LPs: about 10% of the pool).
 FIRST_PER_ROW = 2
-# Pricing stops once its LP is within this share of ``mip_rel_gap`` of its bound: the rest of the
-# gap is left for rounding the LP's point to a plan.
+# Pricing stops once its LP is within this share of ``mip_rel_gap`` of its bound (the rest of the
+# gap is left for rounding the LP's point to a plan), on a pool of at least PRICED_STOP_MIN_POOL
+# columns: there the last rounds cost seconds (3-D meshes), while a smaller LP is priced to its
+# optimum, which is often integral and so proves the plan optimal (``Plan.explain`` needs that).
 PRICED_SHARE = 0.25
+PRICED_STOP_MIN_POOL = 200_000
 
 
 @dataclass(frozen=True)
@@ -442,14 +445,14 @@ def _first_columns(model: LinearModel, screen: Screen, pool: np.ndarray) -> np.n
 
 def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndarray] | None) -> SolveResult | None:
     """The LP by column generation over the screen's continuous columns (``pricing.priced_lp``,
-    stopped within a share of the gap asked), its point taken when integral; else integer points
+    on a large pool stopped within a share of the gap asked), its point taken when integral; else integer points
     completed near it, or the MIP, over the columns the LP used (its bound, one on the whole LP,
     still bounds the whole model). ``None``: the whole model is solved as usual."""
     model = st.model
     held = tightened(model)  # the same integer points, a tighter LP
     pool = screen.unit & ~model.integer & (held.col_ub > 0)
     first = _first_columns(held, screen, pool)
-    within = st.options.mip_rel_gap * PRICED_SHARE
+    within = st.options.mip_rel_gap * PRICED_SHARE if pool.sum() >= PRICED_STOP_MIN_POOL else 0.0
     found = priced_lp(held, pool, first, _remaining(st.opts, st.started), within)
     if found is None:
         return None

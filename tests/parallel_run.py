@@ -129,10 +129,12 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
     return ref
 
 
-def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", recompute=(), **apply_options):
-    """Plan ``name`` on ``mesh`` (batch-sharded I/O, optional pins: a list, or a function of the
-    traced graph giving one; ``attention`` picks the attention kernel; ``recompute``: (layers glob,
-    option) pairs) and build the parallel module.
+def plan_and_apply(
+    mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", recompute=(), io=IO, **apply_options
+):
+    """Plan ``name`` on ``mesh`` (I/O placed ``io``, batch-sharded by default; optional pins: a
+    list, or a function of the traced graph giving one; ``attention`` picks the attention kernel;
+    ``recompute``: (layers glob, option) pairs) and build the parallel module.
     Returns the plan as lowered (after round-trip removal, with the pass report), the lowered graphs
     and the module."""
     from autoplan import AutoParallel
@@ -141,8 +143,8 @@ def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = 
     with torch.device("meta"):
         model = build()
     with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator()), attention=attention) as ap:
-        ap.add_input_constraints([IO])
-        ap.add_output_constraints([IO])
+        ap.add_input_constraints([io])
+        ap.add_output_constraints([io])
         for target, placements in pins(ap.traced) if callable(pins) else pins:
             ap.add_node_constraint(target, placements)
         for layers, option in recompute:
@@ -152,7 +154,7 @@ def plan_and_apply(mesh, name: str, pins, batch_rows: int = 4, attention: str = 
     return ap.applied_plan, ap.lowered, pmod
 
 
-def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t) -> dict:
+def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t, io=IO) -> dict:
     """The same three steps on the parallel module; ``plain`` turns a replicated value into a plain
     tensor (the identity on a real rank, a consistency check across simulated ranks)."""
     import autoplan.run.compile
@@ -166,12 +168,12 @@ def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t) 
     return_dtensor = pmod._autoplan.return_dtensor
     losses, grads_ok = [], {}
     for step, batch in enumerate(ref.batches):
-        out = run(distribute_tensor(batch, mesh, IO).to_local())
+        out = run(distribute_tensor(batch, mesh, io).to_local())
         if return_dtensor:
-            assert isinstance(out, DTensor) and out.placements == IO
+            assert isinstance(out, DTensor) and out.placements == io
             loss = out.mean()  # a DTensor loss: backward flows through the sharded output
         else:
-            loss = DTensor.from_local(out, mesh, IO, run_check=False).mean()
+            loss = DTensor.from_local(out, mesh, io, run_check=False).mean()
         loss.backward()
         if step == 0:
             grads_ok = {

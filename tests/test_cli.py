@@ -63,7 +63,9 @@ def test_explain_and_diff(plans, capsys):
     text = capsys.readouterr().out
     free, pinned = (Plan.from_json(p).param_placements for p in plans)
     moved = [f for f in free if f.endswith("attention.wo.weight") and free[f] != pinned[f]]
-    assert moved and "layers.*.attention.wo.weight" in text and f"-> S(1)S(0)  x{len(moved)}" in text
+    # equally cheap placements may differ between the free plan's layers: each move is listed once
+    counts = re.findall(r"layers\.\*\.attention\.wo\.weight +\S+ -> S\(1\)S\(0\)  x(\d+)", text)
+    assert moved and sum(map(int, counts)) == len(moved)
     with pytest.raises(SystemExit, match="no node or module 'layers.*.attn'"):
         main(["explain", str(plans[0]), "layers.*.attn"])
     assert "warning" not in text  # one model on one mesh

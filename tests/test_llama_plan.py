@@ -176,16 +176,19 @@ def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
     assert len(checks) < certify_module.MAX_SWEEPS // certify_module._CHECK / 2
 
 
-def test_a_main_solve_without_a_start_screens_its_lp_and_finds_the_same_optimum(monkeypatch):
-    """Above ``CERTIFY_MIN_ROWS`` rows the main solve leaves out, before its LP, the columns the
-    ascent's multipliers price out of every plan near their bound (``solvers.Screen``): the LP
-    runs on fewer columns, and the plan costs what the whole model's optimum costs."""
+@pytest.mark.parametrize("way", ["priced", "screened"])
+def test_a_main_solve_without_a_start_shrinks_its_lp_and_finds_the_same_optimum(monkeypatch, way):
+    """Above ``CERTIFY_MIN_ROWS`` rows the main solve's LP never runs whole: column generation
+    (``solvers.pricing``) solves it over the pair columns it prices in, or, where pricing is off,
+    the columns the ascent's multipliers price out of every plan near their bound are left out
+    before it runs (``solvers.Screen``). Either way the plan costs what the whole model's optimum
+    costs."""
     import importlib
 
     import autoplan.solve.ilp as ilp_module
 
     solve_module = importlib.import_module("solvers.solve")
-    real, lps = solve_module._BACKENDS["highs"], []
+    real, lps, priced = solve_module._BACKENDS["highs"], [], []
 
     def recording(model, integral, opts):
         if not integral:
@@ -196,11 +199,18 @@ def test_a_main_solve_without_a_start_screens_its_lp_and_finds_the_same_optimum(
     whole, _, _ = plan_llama(n_layers=4, mip_rel_gap=1e-9)
     whole_lp = lps[0]
     monkeypatch.setattr(ilp_module, "CERTIFY_MIN_ROWS", 0)
+    real_priced = solve_module.priced_lp
+    monkeypatch.setattr(solve_module, "priced_lp", lambda *a: priced.append(1) or real_priced(*a))
+    if way == "screened":
+        monkeypatch.setattr(solve_module, "_priced", lambda *a: None)
     lps.clear()
-    screened, _, _ = plan_llama(n_layers=4, mip_rel_gap=1e-9)
-    assert lps[0] < whole_lp
-    assert screened.cost.total == pytest.approx(whole.cost.total, rel=1e-9)
-    assert screened.solver["bound"] <= screened.solver["objective"] * (1 + 1e-9)
+    shrunk, _, _ = plan_llama(n_layers=4, mip_rel_gap=1e-9)
+    if way == "priced":
+        assert priced and all(n < whole_lp for n in lps)
+    else:
+        assert not priced and lps[0] < whole_lp
+    assert shrunk.cost.total == pytest.approx(whole.cost.total, rel=1e-9)
+    assert shrunk.solver["bound"] <= shrunk.solver["objective"] * (1 + 1e-9)
 
 
 @pytest.mark.slow

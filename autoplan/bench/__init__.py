@@ -74,9 +74,10 @@ def _planned(args: argparse.Namespace):
     return ap, plan, shape, batch, seq
 
 
-def _profile(args: argparse.Namespace) -> str:
-    """The profile a plan is priced for: ``--device-profile`` where the benchmark takes one, else the H100."""
-    return getattr(args, "device_profile", None) or "h100"
+def _profile(args: argparse.Namespace, default: str = "h100") -> str:
+    """The profile a plan is priced for: ``--device-profile`` where the benchmark takes one and it is
+    given, else ``default`` (the H100, which every figure of a cluster not at hand is priced for)."""
+    return getattr(args, "device_profile", None) or default
 
 
 def _applied(ap, plan) -> dict:
@@ -318,7 +319,7 @@ def run_overhead(args: argparse.Namespace) -> dict:
     torch.set_flush_denormal(True)  # uninitialised "gathered" values must not hit slow denormal paths
     # timed on this device, so priced for it: a plan priced for an H100 but run on a CPU would be
     # judged by costs it was not made for (relayout copies nearly free at HBM speed, say)
-    args.device_profile = args.device_profile or ("cpu" if args.device == "cpu" else "h100")
+    args.device_profile = _profile(args, "cpu" if args.device == "cpu" else "h100")
     if args.compile:  # compile times from a cold cache: nothing reused from earlier runs on this machine
         cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autoplan-bench-inductor-")
         atexit.register(shutil.rmtree, cache, True)

@@ -15,7 +15,6 @@ priced; the optimizer step runs outside the timing.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from autoplan.bench.handplans import hand_plan, hand_plans
 from autoplan.bench.steps import backward_step, kept_bytes
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
 from autoplan.errors import AutoplanError
+from autoplan.run.group import join_group
 
 
 @dataclass
@@ -57,18 +57,6 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
         1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0 for i, j in pairs
     )
     return score / len(pairs)
-
-
-def _process_group(device: str) -> None:
-    """The current process group, or a one-process gloo/NCCL group when started without torchrun."""
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def _model(args: argparse.Namespace, ndim: int, dp: int) -> tuple[Callable, Callable]:
@@ -150,7 +138,7 @@ def run_validate(args: argparse.Namespace) -> dict | None:
     """Plan, run and compare (see the module's docstring); rank 0 prints and returns the numbers
     (written by ``--json``), the other ranks ``None``."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _process_group(device)
+    join_group(device, single=True)
     world, rank = dist.get_world_size(), dist.get_rank()
     shape = parse_mesh(args.mesh) if args.mesh else (world,)
     if torch.Size(shape).numel() != world:
