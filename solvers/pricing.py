@@ -35,7 +35,8 @@ ARTIFICIAL_TOL = 1e-9
 
 @dataclass(frozen=True)
 class Priced:
-    """The whole LP's optimum, found over the columns ``active`` (a mask; the others are 0 in
+    """The whole LP's optimum (``solution.status`` optimal), or a point within ``within`` of its
+    bound (feasible), found over the columns ``active`` (a mask; the others are 0 in
     ``solution.x``), after ``rounds`` rounds of pricing."""
 
     solution: RawSolution
@@ -101,7 +102,6 @@ def priced_lp(
         rows.astype(np.int32),
         np.sign(sign[rows]),
     )
-    order = list(cols)  # the model column of each HiGHS column before the artificial ones
     added: list[np.ndarray] = []
     rounds = 0
     while True:
@@ -120,14 +120,14 @@ def priced_lp(
         neg = np.flatnonzero(pool & ~active & (d < 0))
         with np.errstate(invalid="ignore"):
             bound = objective + float(d[neg] @ model.col_ub[neg]) if len(join) else objective
-        if len(join) == 0 or rounds >= MAX_ROUNDS or _settled(h, len(order), n_art, objective, bound, within):
+        if len(join) == 0 or rounds >= MAX_ROUNDS or _settled(h, len(cols), n_art, objective, bound, within):
             break
         starts, index, value = _columns(model, join)
         h.addCols(len(join), model.cost[join], model.col_lb[join], model.col_ub[join], len(index), starts, index, value)
         active[join] = True
         added.append(join)
     values = np.asarray(h.getSolution().col_value)
-    if np.any(values[len(order) : len(order) + n_art] > ARTIFICIAL_TOL) or not math.isfinite(bound):
+    if np.any(values[len(cols) : len(cols) + n_art] > ARTIFICIAL_TOL) or not math.isfinite(bound):
         return None
     if len(join) and relative_gap(objective, bound) > within:
         return None
@@ -136,7 +136,8 @@ def priced_lp(
     if added:
         joined = np.concatenate(added)
         x[joined] = values[len(cols) + n_art :]
-    solution = RawSolution(SolveStatus.OPTIMAL, x, bound, False, 0.0, perf_counter() - started)
+    status = SolveStatus.FEASIBLE if len(join) else SolveStatus.OPTIMAL  # stopped within ``within``
+    solution = RawSolution(status, x, bound, False, 0.0, perf_counter() - started)
     return Priced(solution, active, rounds)
 
 

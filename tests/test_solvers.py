@@ -784,7 +784,7 @@ def test_column_generation_reaches_the_whole_lp_over_few_columns(seed, first):
     if first == "cheapest":
         start[pool & (model.cost < 1.0)] = True
     found = priced_lp(model, pool, start, SolverOptions())
-    assert found is not None and found.rounds > 1
+    assert found is not None and found.rounds > 1 and found.solution.status is SolveStatus.OPTIMAL
     assert found.solution.bound == pytest.approx(whole, rel=1e-9)
     assert model.objective_value(found.solution.x) == pytest.approx(whole, rel=1e-9)
     activity = model.activity(found.solution.x)
@@ -839,7 +839,7 @@ def test_column_generation_stops_within_the_gap_it_is_given():
     first[np.flatnonzero(first)[::2]] = False
     full = priced_lp(model, pool, first, SolverOptions())
     early = priced_lp(model, pool, first, SolverOptions(), within=0.2)
-    assert early.rounds < full.rounds
+    assert early.rounds < full.rounds and early.solution.status is SolveStatus.FEASIBLE
     assert early.solution.bound <= whole + 1e-9 * abs(whole)
     objective = model.objective_value(early.solution.x)
     assert objective > whole and relative_gap(objective, early.solution.bound) <= 0.2
