@@ -180,8 +180,9 @@ class _Positions(torch.nn.Module):
 
 def test_unfilled_non_persistent_buffer_is_named_before_it_runs():
     """A meta model given ``to_empty`` + ``load_state_dict``: the positions buffer is not in the state
-    dict, so it still holds uninitialised memory (indices out of range, or silently wrong ones). The
-    first step names it and the fix; once it is filled the step runs to single-device numerics."""
+    dict, so it still holds what ``to_empty`` left (the largest int64, never a valid index). The
+    first step names it and the fix; once it is filled (through the DTensor, which leaves the
+    local tensor's version counter alone) the step runs to single-device numerics."""
     torch.manual_seed(0)
     real = _Positions()
     x = torch.randint(0, 32, (8, 8))
@@ -194,6 +195,8 @@ def test_unfilled_non_persistent_buffer_is_named_before_it_runs():
         pmod = ap.apply_placement(ap.optimize_placement())
     with LocalTensorMode(RANKS):
         pmod.to_empty(device="cpu")
+        # marked, not left as whatever the memory held: it may hold the very values an init writes
+        assert torch.all(one_value(pmod.get_buffer("positions")) == torch.iinfo(torch.int64).max)
         pmod.load_state_dict(real.state_dict())
         with pytest.raises(ConstraintError, match=r"buffer 'positions' is not in the state dict .* init_weights"):
             pmod(x)

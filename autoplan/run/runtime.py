@@ -114,7 +114,10 @@ class ParallelMixin:
             elif isinstance(t, DTensor):
                 set_local_tensor(t, per_rank(local_tensor(t)))
         # a buffer outside the state dict keeps what to_empty left unless something fills it
-        self._autoplan.unfilled = {fqn: _written(self.get_buffer(fqn)) for fqn in _non_persistent(self)}
+        unfilled = _non_persistent(self)
+        for fqn in unfilled:
+            _fill_unset(self.get_buffer(fqn))
+        self._autoplan.unfilled = {fqn: _written(self.get_buffer(fqn)) for fqn in unfilled}
         return self
 
     def forward(self, *args, **kwargs):
@@ -181,9 +184,25 @@ def _written(t: torch.Tensor) -> tuple:
     return weakref.ref(local), write_state(local)
 
 
+def _fill_unset(t: torch.Tensor) -> None:
+    """Fill a buffer ``to_empty`` just allocated with what no initialiser writes: NaN, or an integer
+    dtype's largest value. Its uninitialised memory could already hold the very values the model's
+    initialiser writes (memory a freed copy of the model left), and an in-place write through a
+    DTensor leaves the local tensor's version counter alone, so only its bytes tell a write."""
+    local = local_tensor(t) if isinstance(t, DTensor) else t
+    if local.dtype.is_floating_point or local.dtype.is_complex:
+        value = float("nan")
+    elif local.dtype == torch.bool:
+        return
+    else:
+        value = torch.iinfo(local.dtype).max
+    with torch.no_grad():
+        local.fill_(value)
+
+
 def _check_filled(module: nn.Module, state: _State) -> None:
-    """Refuse to run while a buffer outside the state dict still holds the uninitialised memory
-    ``to_empty`` gave it: ``load_state_dict`` does not fill it (a positions ``arange`` would become
+    """Refuse to run while a buffer outside the state dict still holds what ``to_empty`` left in it
+    (``_fill_unset``): ``load_state_dict`` does not fill it (a positions ``arange`` would become
     out-of-range indices). Written in place or replaced since, it is filled."""
     stale = []
     for fqn, (held_by, seen) in state.unfilled.items():
@@ -193,7 +212,7 @@ def _check_filled(module: nn.Module, state: _State) -> None:
     if stale:
         raise ConstraintError(
             f"buffer {', '.join(repr(f) for f in stale)} is not in the state dict (persistent=False) and still"
-            " holds the uninitialised memory to_empty gave it: call the model's init_weights() (or whatever"
+            " holds what to_empty left in it (NaN or the largest integer): call the model's init_weights() (or whatever"
             " computes it) after to_empty, or copy its values from a model built off the meta device"
             " (get_buffer(name).copy_(values) under torch.distributed.tensor.experimental.implicit_replication())"
         )
