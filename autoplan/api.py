@@ -118,7 +118,6 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
         "aliases_dropped": trips.aliases_dropped,
         "gather_chains_fused": lowered.gather_fusion.fused,
         "gather_chains_rejected": lowered.gather_fusion.rejected,
-        "gathers_under_transpose": lowered.transposed_gathers.rewritten,
         "recompute_chains_tagged": lowered.recompute.chains,
         "recompute_nodes_tagged": lowered.recompute.nodes,
         "activation_recompute_nodes": lowered.activation_recompute,

@@ -187,6 +187,7 @@ def test_moe_plans_run_on_gloo_eager_and_regionally_compiled():
             check_run(r)
 
 
+@pytest.mark.slow
 def test_moe_transformer_counts_the_tokens_it_drops():
     """With the capacity at the mean load (``capacity_factor=1.0``), each dp rank drops the routed
     tokens past its busier experts' capacity, and a planned step leaves in every MoE's replicated

@@ -33,7 +33,6 @@ from autoplan.lower.collectives import collective_kind, is_c10d
 from autoplan.lower.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.lower.passes.gather_fusion import FusionStats, fuse_gather_chains
-from autoplan.lower.passes.transposed_gather import TransposedGatherStats, gather_under_transposes
 from autoplan.lower.validate import GraphCheckError, check_lowered
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
@@ -70,7 +69,6 @@ class LoweredGraph:
     recompute: RecomputeStats = RecomputeStats(0, 0)
     activation_recompute: int = 0  # lowered forward nodes the plan's recompute choice runs again
     gather_fusion: FusionStats = FusionStats(0, 0)
-    transposed_gathers: TransposedGatherStats = TransposedGatherStats(0)
     contiguity: ContiguityStats = ContiguityStats(0, 0)
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
@@ -555,7 +553,6 @@ def lower(
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(graph, n_outputs)
     fusion = fuse_gather_chains(graph, mesh) if fuse_gathers else FusionStats(0, 0)
-    transposed = gather_under_transposes(graph)
     labels = [COORDINATE, *tg.input_labels]
     params = {n for n, (kind, _) in zip(graph.find_nodes(op="placeholder"), labels) if kind == "param"}
     recompute = tag_parameter_gathers(graph, params) if reshard_after_forward else RecomputeStats(0, 0)
@@ -583,6 +580,5 @@ def lower(
         recompute=recompute,
         activation_recompute=activations,
         gather_fusion=fusion,
-        transposed_gathers=transposed,
         contiguity=contiguity,
     )
