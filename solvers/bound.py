@@ -94,7 +94,7 @@ def reduced_costs(model: LinearModel, y: np.ndarray, choose: np.ndarray | None =
     y = np.where((y > 0) & ~np.isfinite(model.row_lo) | (y < 0) & ~np.isfinite(model.row_hi), 0.0, y)
     choose = choice_rows(model) if choose is None else choose
     y = np.where(choose, 0.0, y)
-    d = model.cost - np.bincount(model.entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
+    d = model.reduced_costs(y)
     row_of = model.entry_row
     picked = choose[row_of]
     cols, rows = model.csr_col[picked], row_of[picked]

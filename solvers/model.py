@@ -84,6 +84,10 @@ class LinearModel:
         """``A @ x``, per row."""
         return np.bincount(self.entry_row, weights=self.csr_val * x[self.csr_col], minlength=self.n_rows)
 
+    def reduced_costs(self, y: np.ndarray) -> np.ndarray:
+        """``cost - A^T y``, per column: what each column adds to the objective at row multipliers ``y``."""
+        return self.cost - np.bincount(self.entry_col, weights=self.csc_val * y[self.csc_row], minlength=self.n_cols)
+
     def objective_value(self, x: np.ndarray) -> float:
         """Objective of ``x`` including the constant offset."""
         return float(self.cost @ x) + self.constant

@@ -44,11 +44,6 @@ class Priced:
     rounds: int
 
 
-def reduced_costs(model: LinearModel, y: np.ndarray) -> np.ndarray:
-    """``c - A^T y`` for every column."""
-    return model.cost - np.bincount(model.entry_col, weights=model.csc_val * y[model.csc_row], minlength=model.n_cols)
-
-
 def _columns(model: LinearModel, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Column-wise starts, rows and values of ``model``'s columns ``cols``."""
     lens = np.diff(model.csc_start)[cols]
@@ -115,7 +110,7 @@ def priced_lp(
             return None
         rounds += 1
         objective = h.getInfo().objective_function_value
-        d = reduced_costs(model, np.asarray(h.getSolution().row_dual))
+        d = model.reduced_costs(np.asarray(h.getSolution().row_dual))
         join = np.flatnonzero(pool & ~active & (d < -REDUCED_TOL * max(1.0, abs(objective))))
         neg = np.flatnonzero(pool & ~active & (d < 0))
         with np.errstate(invalid="ignore"):

@@ -444,10 +444,10 @@ def _first_columns(model: LinearModel, screen: Screen, pool: np.ndarray) -> np.n
 
 
 def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndarray] | None) -> SolveResult | None:
-    """The LP by column generation over the screen's continuous columns (``pricing.priced_lp``,
-    on a large pool stopped within a share of the gap asked), its point taken when integral; else integer points
-    completed near it, or the MIP, over the columns the LP used (its bound, one on the whole LP,
-    still bounds the whole model). ``None``: the whole model is solved as usual."""
+    """The LP by column generation over the screen's continuous columns (``pricing.priced_lp``, on
+    a large pool stopped within a share of the gap asked), its point taken when integral; else
+    integer points completed near it, or the MIP, over the columns the LP used (its bound, one on
+    the whole LP, still bounds the whole model). ``None``: the whole model is solved as usual."""
     model = st.model
     held = tightened(model)  # the same integer points, a tighter LP
     pool = screen.unit & ~model.integer & (held.col_ub > 0)
@@ -467,14 +467,8 @@ def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndar
     sub, full, keep = model.restricted(~found.active, np.zeros(model.n_cols))
     sub_st = _Solve(sub, st.options, st.name, st.run, _remaining(st.opts, st.started), perf_counter(), st.passes)
     sub_st.lp_bound = lp.bound
-
-    def round_sub(xs: np.ndarray) -> np.ndarray:
-        x = full.copy()
-        x[keep] = xs
-        return rounding(x)[keep]
-
     try:
-        point = _completions(sub_st, lp.x[keep], round_sub if rounding is not None else None, None) or _mip(sub_st)
+        point = _completions(sub_st, lp.x[keep], _sub_rounding(rounding, full, keep), None) or _mip(sub_st)
     except (InfeasibleError, SolverTimeoutError):
         return None
     if point.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
@@ -483,6 +477,22 @@ def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndar
     x[keep] = point.x
     objective = model.objective_value(x)
     return _result(model, st.name, st.passes, _within(relative_gap(objective, lp.bound)), x, objective, lp.bound)
+
+
+def _sub_rounding(
+    rounding: Callable[[np.ndarray], np.ndarray] | None, full: np.ndarray, keep: np.ndarray
+) -> Callable[[np.ndarray], np.ndarray] | None:
+    """``rounding`` for a restricted model (``LinearModel.restricted``'s ``full`` point and ``keep``
+    mask): its columns written into the whole point, rounded, and read back."""
+    if rounding is None:
+        return None
+
+    def round_sub(xs: np.ndarray) -> np.ndarray:
+        x = full.copy()
+        x[keep] = xs
+        return rounding(x)[keep]
+
+    return round_sub
 
 
 def _mip(st: _Solve) -> SolveResult:
@@ -535,15 +545,9 @@ def _screened(
             if np.any(best[0][~keep] != full[~keep]):  # a column of the point left out, at the tolerance's edge
                 return None
             sub_start = best[0][keep]
-
-        def round_sub(xs: np.ndarray, full=full, keep=keep) -> np.ndarray:
-            x = full.copy()
-            x[keep] = xs
-            return rounding(x)[keep]
-
         left = None if time_limit is None else max(time_limit - (perf_counter() - started), 0.0)
         try:
-            found = whole(sub, round_sub if rounding is not None else None, left, sub_start)
+            found = whole(sub, _sub_rounding(rounding, full, keep), left, sub_start)
         except (InfeasibleError, SolverTimeoutError):
             found = None
         if found is None or found.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):

@@ -28,7 +28,7 @@ from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
 from autoplan.shard.constraints import placement_error
 from autoplan.trace import attention, grouped_mm, regions
-from autoplan.trace.tracing import PATH_KEY
+from autoplan.trace.tracing import PATH_KEY, RUNTIME_CHECKS
 
 Placements = dt.Placements
 aten = torch.ops.aten
@@ -243,7 +243,7 @@ _OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple] | None]] = {
         + (aten.full.default, aten.scalar_tensor.default, aten.lift_fresh_copy.default),
         _factory_rows,
     ),
-    **dict.fromkeys((aten._assert_async.default, aten._assert_async.msg), _check_rows),
+    **dict.fromkeys(RUNTIME_CHECKS, _check_rows),
 }
 
 

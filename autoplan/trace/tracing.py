@@ -39,6 +39,9 @@ from autoplan.trace.stamping import PATH_KEY  # the stage that stamps layers rea
 from autoplan.trace.trace_errors import named_failures
 
 aten = torch.ops.aten
+# runtime checks a decomposition leaves in the graph (one_hot's range check, once functionalized):
+# ops without an output, which every rank runs on the whole value
+RUNTIME_CHECKS = (aten._assert_async.default, aten._assert_async.msg)
 PHASE_KEY = "autoplan_phase"
 RERUN_KEY = "autoplan_rerun"  # a forward op the model's own checkpointing runs again in the backward
 CHECKPOINT_KEY = "autoplan_checkpointed"  # a forward op it recomputes, its copy folded (``recompute``)
@@ -644,9 +647,9 @@ def trace_joint(
         with fake_mode:
             _merge_tied(gm, in_labels, out_labels, shared)
         _label_paths(gm)
-    for check in (torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg):
+    for check in RUNTIME_CHECKS:
         for node in gm.graph.find_nodes(op="call_function", target=check):
-            node.meta.setdefault("val", None)  # a runtime check (one_hot's, re-traced): no output
+            node.meta.setdefault("val", None)  # no output
     _mark_phases(gm, sum(1 for lab in out_labels if lab[0] == "output"))
     return TracedGraph(
         gm=gm,
