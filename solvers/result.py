@@ -80,6 +80,8 @@ class SolveOptions:
     ``lp_first`` (the LP relaxation before any MIP), ``diagnose`` (name the conflicting groups of
     an infeasible model), ``keep_start`` (a start good enough is kept, the rounding untried),
     ``verbose`` (the backend's own log) and ``log`` (a long MIP's progress at INFO).
+    ``improve_s`` (with no time limit, the seconds the MIP may spend improving a feasible point found
+    before it: a completed start, a rounding).
     ``autoplan.solve.ilp`` reads: ``polish_s`` (seconds the full MIP may spend improving a seed plan; 0:
     the seed as it is) and ``seed_only`` (no full MIP when no seed is found)."""
 
@@ -90,6 +92,7 @@ class SolveOptions:
     lp_first: bool = True
     diagnose: bool = True
     keep_start: bool = False
+    improve_s: float = 30.0
     polish_s: float = 30.0
     seed_only: bool = False
     verbose: bool = False

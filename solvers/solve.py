@@ -496,10 +496,15 @@ def _sub_rounding(
 
 
 def _mip(st: _Solve) -> SolveResult:
-    """The whole MIP within what is left of the time limit, from the best point found (if any)."""
+    """The whole MIP within what is left of the time limit, from the best point found (if any).
+
+    From a feasible point and with no time limit, the search gets ``improve_s`` seconds: a bound
+    that cannot reach ``mip_rel_gap`` (a relaxation weaker than that, as memory rows make it) would
+    otherwise hold the plan back without end, where the point and its measured gap are the answer."""
     mip_opts = _remaining(st.opts, st.started)
     if st.best is not None:
-        mip_opts = replace(mip_opts, start=st.best[0])
+        limit = st.options.improve_s if mip_opts.time_limit is None else mip_opts.time_limit
+        mip_opts = replace(mip_opts, start=st.best[0], time_limit=limit)
     st.passes.append(st.run(st.model, True, mip_opts))
     return _finish(st.model, st.name, st.run, st.opts, st.passes, st.lp_bound, st.best, st.options.diagnose)
 

@@ -116,6 +116,20 @@ def test_mip_start_is_the_incumbent_when_time_runs_out(backend):
     assert model.objective_value(seeded.x) <= model.objective_value(start)
 
 
+def test_without_a_time_limit_the_mip_improves_a_found_point_for_improve_s_only():
+    """A MIP that cannot close its gap stops after ``improve_s`` with the best point, reported
+    feasible with its gap, rather than searching on without end (the closed search is optimal)."""
+    model, _ = multi_knapsack()
+    start = np.zeros(model.n_cols)
+    start[:3] = 1.0
+    stopped = solve(model, start=start, improve_s=0.0)
+    assert stopped.status is SolveStatus.FEASIBLE and stopped.gap > 1e-4
+    assert stopped.objective <= model.objective_value(start)
+    closed = solve(model, start=start)
+    assert closed.status is SolveStatus.OPTIMAL and closed.gap <= 1e-6
+    assert closed.objective <= stopped.objective
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_start_is_completed_and_never_beaten_by_a_worse_answer(backend):
     model, _ = multi_knapsack(n=60, k=4)
