@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoplan import AutoParallel, Plan
 from autoplan.bench import run_memory
 from autoplan.bench.workloads import named_model
+from autoplan.cost import memory
 from autoplan.errors import InfeasiblePlanError
 from solvers import InfeasibleError
 
@@ -100,6 +101,28 @@ def test_peak_cap_is_met_by_a_different_plan():
     assert Plan.from_json(capped.to_json()).memory == capped.memory
     ap.remove_memory_constraint()
     assert ap.optimize_placement().memory.peak_bytes == free.memory.peak_bytes
+
+
+def test_torch_adamw_is_priced_with_the_states_torch_keeps():
+    """``TORCH_ADAMW`` (what ``bench validate`` runs) counts the states ``torch.optim.AdamW`` really
+    keeps for bf16 parameters: two bf16 tensors per parameter, no fp32 master copy. The default spec,
+    mixed-precision AdamW, counts two fp32 states and an fp32 master copy."""
+    plain = MLP().to(torch.bfloat16)
+    opt = torch.optim.AdamW(plain.parameters())
+    plain(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    kept = sum(t.nbytes for state in opt.state.values() for t in state.values() if t.dim() > 0)
+    params = sum(p.nbytes for p in plain.parameters())
+    per_param_byte = {}
+    for name, spec in (("torch", memory.TORCH_ADAMW), ("mixed", memory.ADAMW)):
+        with torch.device("meta"):
+            model = MLP().to(torch.bfloat16)
+        ap = AutoParallel(model, fake_mesh((2,)), lambda: torch.randn(8, 64, dtype=torch.bfloat16), optimizer=spec)
+        with ap:
+            m = ap.optimize_placement().memory
+        per_param_byte[name] = m.optimizer_bytes / m.param_bytes
+    assert per_param_byte["torch"] == kept / params == 2.0
+    assert per_param_byte["mixed"] == 6.0
 
 
 @pytest.mark.slow  # ~47 s: the least peak is searched

@@ -29,6 +29,7 @@ from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
 from autoplan.bench.steps import backward_step, kept_bytes
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
+from autoplan.cost.memory import TORCH_ADAMW
 from autoplan.errors import AutoplanError
 from autoplan.run.group import join_group
 
@@ -75,7 +76,7 @@ def _prepare(name: str, build, input_fn, mesh, args, device: str) -> _Run:
     ndim = mesh.ndim
     io = (Shard(0),) + (Replicate(),) * (ndim - 1)
     profile = args.profile or ("h100" if device == "cuda" else "cpu")
-    with AutoParallel(build(), mesh, input_fn, device_profile=profile) as ap:
+    with AutoParallel(build(), mesh, input_fn, device_profile=profile, optimizer=TORCH_ADAMW) as ap:
         ap.add_input_constraints([io])
         ap.add_output_constraints([io])
         plan = ap.optimize_placement() if name == "autoplan" else hand_plan(ap, name, ndim)

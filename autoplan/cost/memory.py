@@ -56,21 +56,24 @@ from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 @dataclass(frozen=True)
 class OptimizerSpec:
     """What the optimizer keeps per parameter: AdamW's two fp32 states by default, and an fp32 master
-    copy of parameters stored in a lower precision."""
+    copy of parameters stored in a lower precision. ``state_dtype=None``: the states take each
+    parameter's own dtype, as torch's optimizers keep them (``TORCH_ADAMW``)."""
 
     states: int = 2
-    state_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype | None = torch.float32
     master_weights: bool = True
 
     def bytes_per_param_byte(self, dtype: torch.dtype) -> float:
         """Optimizer bytes per byte of a (local) parameter of ``dtype``."""
-        per_element = self.states * self.state_dtype.itemsize
+        per_element = self.states * (self.state_dtype or dtype).itemsize
         if self.master_weights and dtype.itemsize < torch.float32.itemsize:
             per_element += torch.float32.itemsize
         return per_element / dtype.itemsize
 
 
 ADAMW = OptimizerSpec()
+# ``torch.optim.AdamW`` run on the parameters as they are
+TORCH_ADAMW = OptimizerSpec(state_dtype=None, master_weights=False)
 
 
 class MovePrice(Protocol):
