@@ -500,11 +500,13 @@ def _mip(st: _Solve) -> SolveResult:
 
     From a feasible point and with no time limit, the search gets ``improve_s`` seconds: a bound
     that cannot reach ``mip_rel_gap`` (a relaxation weaker than that, as memory rows make it) would
-    otherwise hold the plan back without end, where the point and its measured gap are the answer."""
+    otherwise hold the plan back without end, where the point and its measured gap are the answer.
+    That search skips presolve's probing, as the completions do: from a good point, probing the
+    binaries took HiGHS half its time (11 of 22 s on a pinned LLaMA debug plan) for the same plan."""
     mip_opts = _remaining(st.opts, st.started)
     if st.best is not None:
         limit = st.options.improve_s if mip_opts.time_limit is None else mip_opts.time_limit
-        mip_opts = replace(mip_opts, start=st.best[0], time_limit=limit)
+        mip_opts = replace(mip_opts, start=st.best[0], time_limit=limit, probing=False)
     st.passes.append(st.run(st.model, True, mip_opts))
     return _finish(st.model, st.name, st.run, st.opts, st.passes, st.lp_bound, st.best, st.options.diagnose)
 

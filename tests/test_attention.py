@@ -217,12 +217,15 @@ MID = dataclasses.replace(
 
 @pytest.fixture(scope="module")
 def planned():
+    """A plan per attention option. Within 2% of the bound: the LP's bound is 1.65% under these
+    plans, and proving 1% costs the MIP ~9 s per plan without changing it."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     plans = {}
+    tokens = torch.randint(0, 256, (2, 128))
     for option in ("cpu", *KERNELS):
         with torch.device("meta"):
             model = Transformer(MID).to(torch.bfloat16)
-        with AutoParallel(model, mesh, input_fn=lambda: torch.randint(0, 256, (2, 128)), attention=option) as ap:
+        with AutoParallel(model, mesh, lambda: tokens, attention=option, mip_rel_gap=0.02) as ap:
             ap.add_input_constraints([IO])
             ap.add_output_constraints([IO])
             for target, placements in LLAMA_TP:

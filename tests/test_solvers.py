@@ -21,7 +21,7 @@ from solvers import (
 )
 from solvers.highs_backend import solve_highs
 from solvers.pulp_backend import solve_cbc
-from solvers.result import SolverOptions
+from solvers.result import SolveOptions, SolverOptions
 
 BACKENDS = ["highs", "cbc"]
 
@@ -116,18 +116,25 @@ def test_mip_start_is_the_incumbent_when_time_runs_out(backend):
     assert model.objective_value(seeded.x) <= model.objective_value(start)
 
 
-def test_without_a_time_limit_the_mip_improves_a_found_point_for_improve_s_only():
+def test_without_a_time_limit_the_mip_improves_a_found_point_for_improve_s_only(monkeypatch):
     """A MIP that cannot close its gap stops after ``improve_s`` with the best point, reported
-    feasible with its gap, rather than searching on without end (the closed search is optimal)."""
+    feasible with its gap, rather than searching on without end (the closed search is optimal).
+    Searching from a point, it skips presolve's probing."""
+    solve_module = importlib.import_module("solvers.solve")
+    runs = []
+    real = solve_module._BACKENDS["highs"]
+    monkeypatch.setitem(solve_module._BACKENDS, "highs", lambda m, i, o: runs.append(o) or real(m, i, o))
     model, _ = multi_knapsack()
     start = np.zeros(model.n_cols)
     start[:3] = 1.0
     stopped = solve(model, start=start, improve_s=0.0)
     assert stopped.status is SolveStatus.FEASIBLE and stopped.gap > 1e-4
     assert stopped.objective <= model.objective_value(start)
+    assert runs[-1].start is not None and runs[-1].time_limit == 0.0 and not runs[-1].probing
     closed = solve(model, start=start)
     assert closed.status is SolveStatus.OPTIMAL and closed.gap <= 1e-6
     assert closed.objective <= stopped.objective
+    assert runs[-1].time_limit == SolveOptions.improve_s
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
