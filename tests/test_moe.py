@@ -30,12 +30,13 @@ def _layout(name: str):
 @pytest.mark.parametrize("name", ["2d x 3d", "3d x 3d", "2d x 2d", "3d x 2d"])
 def test_grouped_mm_in_any_dtype_is_atens_product_and_differentiates(name):
     """On bfloat16-exact inputs, the fp64 product of ``autoplan::grouped_mm`` rounds to ATen's
-    bfloat16 one; its backward (written in terms of itself) passes gradcheck in fp64."""
+    bfloat16 one; its backward (written in terms of itself) passes gradcheck in fp64 (fast mode: a
+    random projection of the Jacobian rather than every entry, millions for these shapes)."""
     a, b, offs = _layout(name)
     ours = grouped_mm(a.double(), b.double(), offs)
     assert torch.equal(ours.to(torch.bfloat16), torch._grouped_mm(a, b, offs))
     a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
-    assert torch.autograd.gradcheck(lambda x, y: grouped_mm(x, y, offs), (a64, b64))
+    assert torch.autograd.gradcheck(lambda x, y: grouped_mm(x, y, offs), (a64, b64), fast_mode=True)
 
 
 @pytest.mark.parametrize("ways", [2, 4, 8])
