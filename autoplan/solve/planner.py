@@ -501,10 +501,12 @@ class Planner:
         """A warning when the main solve stopped at a time limit outside the gap asked for."""
         time_limit, mip_rel_gap = self.solve_options.time_limit, self.solve_options.mip_rel_gap
         if solved.result.gap > max(mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
-            # without a user time_limit, the limit met is the one on polishing a capped plan
-            limit = f"time_limit={time_limit} s" if time_limit is not None else f"its {POLISH_S:g} s polish limit"
+            if time_limit is not None:
+                limit = f"time_limit={time_limit} s"
+            else:  # the limit on improving a plan already found (polish_s for a seed, improve_s: 30 s each)
+                limit = f"its {POLISH_S:g} s limit for improving a found plan"
             warnings.warn(
-                f"the solver stopped at {limit} with the best plan found so far, within"
+                f"the solver stopped at {limit}, with the best plan so far, within"
                 f" {solved.result.gap:.2%} of its bound (mip_rel_gap={mip_rel_gap:g} was asked): raise"
                 " time_limit for a better one",
                 stacklevel=4,
