@@ -292,7 +292,7 @@ def test_a_plan_the_solver_stopped_on_warns_with_its_gap(monkeypatch, mesh):
 
     monkeypatch.setattr(autoplan.solve.planner, "solve_placement", stopped_early)
     with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8), time_limit=30.0) as ap:
-        with pytest.warns(UserWarning, match=r"stopped at time_limit=30.0 s .* within 5.00% of its bound"):
+        with pytest.warns(UserWarning, match=r"stopped at time_limit=30.0 s, .* within 5.00% of its bound"):
             plan = ap.optimize_placement()
     assert plan.param_placements
 
