@@ -1,0 +1,193 @@
+"""What one redistribution runs: its primitives (``Transfer``) per mesh dim, the copies a collective
+makes around itself, the bytes each holds and the seconds each takes (collectives priced by
+``autoplan.cost.network``). ``autoplan.cost.costs.CostModel`` plans moves out of these.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.adapters.dtensor import Placements, shard_dim
+from autoplan.cost.devices import DeviceProfile
+from autoplan.cost.network import MeshTopology, collective_seconds
+
+TransferKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "local", "relayout"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One primitive of a redistribution on one mesh dim.
+
+    ``local`` is a step of its own (take a chunk, scale a replica); ``relayout`` is a copy that a
+    collective makes around itself to run on the leading dim, so it is priced but not listed as a
+    primitive of the redistribution.
+    """
+
+    kind: TransferKind
+    mesh_dim: int
+    nbytes: int  # collectives: the full logical tensor at this step; local/relayout: the bytes each rank copies
+    made: int = 0  # local bytes of the buffer it writes on each rank (its input dies once it is made)
+
+
+def _leading_block(shape: Sequence[int], dim: int) -> bool:
+    """Whether the chunks of a contiguous ``shape`` along ``dim`` are contiguous blocks (every dim
+    before ``dim`` has size 1): then splitting or stacking along ``dim`` needs no copy."""
+    return math.prod(shape[:dim]) == 1
+
+
+def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Row-major without gaps (size-1 dims may have any stride)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def relayout_copies(
+    kind: TransferKind, src_dim: int | None, dst_dim: int | None, before: Sequence[int], after: Sequence[int]
+) -> tuple[Sequence[int], ...]:
+    """Local shapes of the copies a collective on a non-leading tensor dim makes (as DTensor runs it
+    on a GPU mesh); ``src_dim``/``dst_dim``: the tensor dim the step's mesh dim splits before and
+    after (``None``: not split); ``before``/``after``: the rank's local shape before and after it.
+
+    NCCL gathers and scatters along dim 0 only, so: an all-gather on dim d returns its chunks
+    stacked on dim 0 and one copy moves them to dim d (a view when the gathered blocks are already
+    contiguous); a reduce-scatter on dim d first moves its chunks onto dim 0 (likewise); an
+    all-to-all moves the new shard dim to the front before the exchange and the gathered dim
+    back after it (each a copy unless the move is a view).
+    """
+    if kind == "all_gather" and src_dim and not _leading_block(before, src_dim):
+        return (after,)
+    if kind == "reduce_scatter" and dst_dim and not _leading_block(before, dst_dim):
+        return (before,)
+    if kind == "all_to_all":
+        moves = ((before, dst_dim), (after, src_dim))
+        return tuple(shape for shape, dim in moves if not _leading_block(shape, dim))
+    return ()
+
+
+def step_kinds(src: Placement, dst: Placement) -> tuple[TransferKind, ...] | None:
+    """The primitives DTensor runs for one per-mesh-dim transition; ``None`` where DTensor raises at runtime."""
+    src_dim, dst_dim = shard_dim(src), shard_dim(dst)
+    plain_shards = isinstance(src, Shard) and isinstance(dst, Shard)
+    if src == dst:
+        return ()
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return ("all_reduce",)
+        if isinstance(dst, Shard):
+            return ("reduce_scatter",)
+        if dst_dim is not None:  # strided shard: reduce fully, then slice
+            return ("all_reduce", "local")
+        return None  # mixing Partial reduce ops is unsupported
+    if src_dim is not None:
+        if isinstance(dst, Replicate):
+            return ("all_gather",)
+        if plain_shards:
+            return ("all_to_all",)
+        if dst_dim is not None:  # strided on either side goes through Replicate
+            return ("all_gather", "local")
+        return None  # Shard -> Partial is unsupported
+    if isinstance(src, Replicate) and (dst_dim is not None or isinstance(dst, Partial)):
+        return ("local",)
+    return None
+
+
+def made_bytes(kind: TransferKind, size: int, n: int, after: int) -> int:
+    """Local bytes a primitive writes, from the ``size`` it reads over ``n`` ranks (``after``: the
+    step's local result, what a ``local`` step leaves)."""
+    if kind == "all_gather":
+        return size * n
+    if kind == "reduce_scatter":
+        return size // n
+    return after if kind == "local" else size
+
+
+def step_bytes(kind: TransferKind, size: int, n: int, made: int) -> int:
+    """A primitive's ``Transfer.nbytes`` from the local bytes it reads (``size``) and writes
+    (``made``): a collective moves the tensor its group holds *now*, so shards that other mesh dims
+    keep (an FSDP gather of a TP-sharded weight) shrink it, as do steps the same move ran before."""
+    if kind in ("all_gather", "all_to_all"):
+        return size * n
+    return made if kind == "local" else size
+
+
+def relayout_transfer(mesh_dim: int, shape: Sequence[int], itemsize: int) -> Transfer:
+    """The copy of a local ``shape`` that a collective makes around itself."""
+    nbytes = math.prod(shape) * itemsize
+    return Transfer("relayout", mesh_dim, nbytes, nbytes)
+
+
+def peak_buffer_bytes(transfers: Sequence[Transfer], source: int = 0) -> int:
+    """The most bytes a redistribution's own buffers hold at once: each primitive's output is made
+    while its input (the previous output) is still alive. The source is not the move's, but for
+    ``source``: the bytes of a source freed once the first primitive has read it, held beside that
+    primitive's output."""
+    peak, previous = 0, source
+    for t in transfers:
+        peak, previous = max(peak, previous + t.made), t.made
+    return peak
+
+
+_NOT_PARTIAL = frozenset({Shard, Replicate})
+
+
+def mixed_partials(placements: Placements) -> bool:
+    """DTensor refuses placements that mix Partial reduce ops (their order would matter)."""
+    return len({p.reduce_op for p in placements if type(p) not in _NOT_PARTIAL and isinstance(p, Partial)}) > 1
+
+
+def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
+    if transfer.kind in ("local", "relayout"):  # one memory-bound copy kernel: reads and writes its bytes
+        return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
+    return collective_seconds(transfer.kind, topology.spans[transfer.mesh_dim], transfer.nbytes, profile)
+
+
+def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
+    """Indices ``i`` where transfers i and i+1 are all-gathers on the two dims of a 2-D mesh with
+    nothing between them: the gather-fusion pass runs them as one all-gather over the whole mesh."""
+    if ndim != 2:
+        return set()
+    return {
+        i
+        for i, (a, b) in enumerate(itertools.pairwise(transfers))
+        if a.kind == b.kind == "all_gather" and a.mesh_dim != b.mesh_dim
+    }
+
+
+def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict) -> float:
+    """A redistribution's time. Gather pairs that the fusion pass merges are priced as the one
+    collective that runs (over the flattened mesh), plus the local chunk transpose it needs when
+    the outer mesh dim was gathered first. ``memo``: each primitive's seconds by (kind, mesh dim,
+    bytes), kept by the caller for this topology and profile (a 3-D mesh's moves price ~300 K
+    primitives, a few thousand distinct)."""
+
+    def seconds(t: Transfer) -> float:
+        key = (t.kind, t.mesh_dim, t.nbytes)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = transfer_seconds(t, topology, profile)
+        return found
+
+    fused = fused_gather_pairs(transfers, len(topology.shape))
+    total, skip = 0.0, False
+    for i, t in enumerate(transfers):
+        if skip:
+            skip = False
+        elif i in fused:
+            total += collective_seconds("all_gather", topology.flat, transfers[i + 1].nbytes, profile)
+            if t.mesh_dim < transfers[i + 1].mesh_dim:
+                total += seconds(Transfer("relayout", 0, transfers[i + 1].made))
+            skip = True
+        else:
+            total += seconds(t)
+    return total
