@@ -502,7 +502,7 @@ def _mip(st: _Solve) -> SolveResult:
     that cannot reach ``mip_rel_gap`` (a relaxation weaker than that, as memory rows make it) would
     otherwise hold the plan back without end, where the point and its measured gap are the answer.
     That search skips presolve's probing, as the completions do: from a good point, probing the
-    binaries took HiGHS half its time (11 of 22 s on a pinned LLaMA debug plan) for the same plan."""
+    binaries costs HiGHS much of its time and rarely changes the plan."""
     mip_opts = _remaining(st.opts, st.started)
     if st.best is not None:
         limit = st.options.improve_s if mip_opts.time_limit is None else mip_opts.time_limit

@@ -217,8 +217,8 @@ MID = dataclasses.replace(
 
 @pytest.fixture(scope="module")
 def planned():
-    """A plan per attention option. Within 2% of the bound: the LP's bound is 1.65% under these
-    plans, and proving 1% costs the MIP ~9 s per plan without changing it."""
+    """A plan per attention option, within 2% of the bound: the LP's bound is 1.65% under these
+    plans, and the MIP that proves 1% finds no better one."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     plans = {}
     tokens = torch.randint(0, 256, (2, 128))
