@@ -151,6 +151,10 @@ class AutoParallel:
     when the solver stops (``plan.solver["gap"]`` says where it stopped). The default 1% is far
     below the cost model's own error; proving the last fraction of a percent can take minutes,
     because the overlap rows weaken the LP bound. ``0`` asks for the optimum itself.
+    ``optimizer``: what the optimizer keeps per parameter, for the memory model. The default,
+    ``memory.ADAMW``, is mixed-precision AdamW (two fp32 states, and an fp32 master copy of
+    parameters stored in a lower precision); ``memory.TORCH_ADAMW`` is ``torch.optim.AdamW`` run on
+    the parameters as they are (two states in each parameter's dtype).
     """
 
     def __init__(
