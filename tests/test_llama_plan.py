@@ -92,6 +92,7 @@ def test_a_3d_plan_costs_what_its_ilp_says_and_its_re_solves_keep_their_start():
     assert any(any(p != R for p in pl) for n in plan.nodes.values() for pl in n.outputs if pl is not None)
 
 
+@pytest.mark.slow  # three plans of four layers: the reductions' exactness, checked in CI's slow set
 def test_reductions_do_not_change_the_optimum():
     # four layers: two middle ones share decisions, the first and last are re-solved on their own
     plan, _, _ = plan_llama(memory_fraction=None, n_layers=4)
