@@ -16,6 +16,7 @@ from pathlib import Path
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.shard.expert_rows import ExpertRows
 from autoplan.solve.reports import IlpReport, SolverReport
 from autoplan.styles import STYLES, expert_lines, module_styles
 
@@ -27,6 +28,8 @@ def placement_str(p: Placement) -> str:
         return "R"
     if isinstance(p, Shard):
         return f"S({p.dim})"
+    if isinstance(p, ExpertRows):
+        return str(p)
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
     raise ValueError(f"cannot serialise placement {p!r}")
@@ -41,6 +44,9 @@ def parse_placement(s: str) -> Placement:
     m = re.fullmatch(r"P\((\w+)\)", s)
     if m:
         return Partial(m.group(1))
+    m = re.fullmatch(r"E\((\d)\)", s)
+    if m:
+        return ExpertRows(int(m.group(1)))
     raise ValueError(f"cannot parse placement {s!r}")
 
 
@@ -48,7 +54,7 @@ def placements_str(ps: Placements | None) -> str | None:
     return None if ps is None else "".join(placement_str(p) for p in ps)
 
 
-_PLACEMENT = re.compile(r"R|S\(-?\d+\)|P\(\w+\)")
+_PLACEMENT = re.compile(r"R|S\(-?\d+\)|P\(\w+\)|E\(\d\)")
 
 
 def parse_placements(s: str | None) -> Placements | None:

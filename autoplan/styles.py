@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate, Shard
 
+from autoplan.shard.expert_rows import ExpertRows
+
 if TYPE_CHECKING:
     from autoplan.plan import NodePlan, Placements, Redistribution
 
@@ -127,7 +129,8 @@ def _use(stored: Placements, forward: list[NodePlan]) -> WeightUse:
     }
     lookups = {(n.inputs[0], n.inputs[1]) for n in forward if n.op == _EMBEDDING}
     for op, kind in ((_BMM,), "experts"), (_GROUPED, "grouped"):
-        experts = {(n.inputs[1], n.inputs[0]) for n in forward if n.op in op}
+        # a later matmul of the experts reading their rows where the first left them reads its tokens whole
+        experts = {(n.inputs[1], _whole(n.inputs[0])) for n in forward if n.op in op}
         if experts:
             (read, data), *others = experts
             return WeightUse(kind, stored, None if others else read, None if others else data, 2)
@@ -138,6 +141,11 @@ def _use(stored: Placements, forward: list[NodePlan]) -> WeightUse:
         return WeightUse(op, stored, read if unique else None, data if unique else None, out_dim)
     outputs = {n.outputs[0] for n in forward if n.compute_s > 0 and n.outputs and n.outputs[0] is not None}
     return WeightUse("", stored, data=outputs.pop() if len(outputs) == 1 else None)
+
+
+def _whole(placements: Placements) -> Placements:
+    """Expert rows read as the whole routed tokens they are each rank's rows of."""
+    return tuple(Replicate() if isinstance(p, ExpertRows) else p for p in placements)
 
 
 def _transpose(placements: Placements) -> Placements:

@@ -130,13 +130,15 @@ class Numerics:
     worst: float  # worst relative error over the loss and every parameter gradient
     bad: list[str]  # what is not fp32-close (allclose with rtol=1e-5, atol=1e-6)
     sharded: int  # parameters the plan shards (a plan that shards nothing would match trivially)
+    plan: object  # the plan that ran
 
 
-def numerics(family: str, shape: tuple[int, ...] = (2, 2)) -> Numerics:
+def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None) -> Numerics:
     """One training step of the family's plan on ``shape`` under ``LocalTensorMode`` (every rank in this
     process, real collectives between them) against the same model on one device.
 
     Loss = mean of the squared logits; dropout is off in both (they would draw different numbers).
+    ``pins``: a function of the traced graph giving (target, placements) node constraints.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -156,6 +158,8 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2)) -> Numerics:
             ap.add_input_constraints([io])
             ap.add_output_constraints([io])  # output 0: the logits
             ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
+            for target, placements in pins(ap.traced) if pins else ():
+                ap.add_node_constraint(target, placements)
             plan = ap.optimize_placement()
             pmod = ap.apply_placement(plan)
     with simulated_world(math.prod(shape)):
@@ -178,7 +182,7 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2)) -> Numerics:
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
             bad.append(name)
     sharded = sum(any(isinstance(p, Shard) for p in pl) for pl in plan.param_placements.values())
-    return Numerics(worst, bad, sharded)
+    return Numerics(worst, bad, sharded, plan)
 
 
 def _print_numerics(family: str) -> bool:

@@ -15,6 +15,7 @@ from autoplan.cost.devices import B200, DEVICE_PROFILES, H100_SXM, LinkKind, res
 from autoplan.cost.flops import node_flops
 from autoplan.cost.network import GroupSpan, MeshTopology, collective_seconds, flat_collective_seconds
 from autoplan.errors import ConstraintError
+from autoplan.shard.expert_rows import ExpertRows
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -115,6 +116,18 @@ def test_unsupported_redistributions(model):
     assert model.redistribute_cost((P, Partial("max")), (R, R), m) == math.inf
     with pytest.raises(UnsupportedRedistribution):
         model.redistribute_collectives((Shard(0), R), (P, R), m)
+
+
+def test_expert_rows_reduce_as_a_partial_sum_relabel_for_free_and_are_never_made_by_a_move(model):
+    """Expert rows (an expert-parallel matmul's output) reduce as ``Partial`` does, become one for
+    nothing, and no move makes them (only the ops that keep each rank's rows do)."""
+    m, E0, E1 = meta(4096, 4096), ExpertRows(0), ExpertRows(1)
+    assert model.redistribute_cost((E0, R), (R, R), m) == model.redistribute_cost((P, R), (R, R), m) > 0
+    assert model.redistribute_cost((E0, R), (Shard(0), R), m) == model.redistribute_cost((P, R), (Shard(0), R), m)
+    assert model.redistribute_cost((E0, R), (P, R), m) == 0.0
+    assert model.redistribute_collectives((E0, R), (P, R), m) == ()
+    for src in ((R, R), (P, R), (Shard(0), R), (E1, R)):
+        assert model.redistribute_cost(src, (E0, R), m) == math.inf
 
 
 def test_size_one_mesh_dim_is_free():

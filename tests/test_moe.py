@@ -9,9 +9,10 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autoplan import AutoParallel, ConstraintError
+from autoplan.shard.expert_rows import ExpertRows
 from autoplan.trace.grouped_mm import expert_block, grouped_mm
 
-S0, S1, S2, R, P = Shard(0), Shard(1), Shard(2), Replicate(), Partial()
+S0, S1, S2, R, P, E = Shard(0), Shard(1), Shard(2), Replicate(), Partial(), ExpertRows()
 # experts stored split over dp on the expert dim (FSDP) and over tp inside each expert (TP)
 EXPERT_TP = [("w[13]", (S0, S2)), ("w2", (S0, S1)), ("*weight", (S0, S0))]
 
@@ -59,16 +60,25 @@ def test_expert_blocks_make_the_whole_product(ways):
 @pytest.mark.parametrize("tp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ep", "ep+tp"])
 def test_grouped_mm_expert_parallel_matches_single_device(tp):
     """The grouped-matmul experts split over the experts on dp (and, with ``tp``, inside each
-    expert on tp): each rank multiplies the sorted tokens routed to its own experts, the partial
-    outputs are summed back, the weight gradients are made split; three AdamW steps match one
-    device."""
+    expert on tp, Megatron-style: gate and up column-wise, down row-wise): each rank multiplies the
+    sorted tokens routed to its own experts, its experts' rows of the SwiGLU's hidden units stay on
+    it (expert rows: no collective between the three matmuls), the outputs are summed back (after
+    the combine's ``index_add``, on the tokens), the weight gradients are made split; three AdamW
+    steps match one device."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run("moe", batch_rows=8)
-    experts, out = ((S0, S0), (P, P)) if tp else ((S0, R), (P, R))
-    pins = [("w[123]", experts), *((name, out) for name in ("grouped_mm", "grouped_mm_1"))]
+    if tp:
+        hidden, out = (E, S1), (E, P)
+        pins = [("w[13]", (S0, S2)), ("w2", (S0, S1))]
+    else:  # and the combine adds the experts' rows into their tokens before the one reduction
+        hidden, out = (E, R), (E, R)
+        pins = [("w[123]", (S0, R)), ("index_add", (P, R))]
+    pins += [("grouped_mm", hidden), ("grouped_mm_1", hidden), ("grouped_mm_2", out)]
     plan, lowered, pmod = plan_and_apply(mesh, "moe", pins, batch_rows=8)
     for name in ("grouped_mm", "grouped_mm_1"):
         assert plan.nodes[name].inputs[1][0] == S0 and plan.nodes[name].inputs[0][0] == R
+    # the down projection reads the hidden units where the gate and up projections left them
+    assert plan.nodes["mul"].outputs[0] == hidden and plan.nodes["grouped_mm_2"].inputs[0] == hidden
     assert any(
         n.phase == "backward" and S0 in n.outputs[0] for n in plan.nodes.values() if n.op.endswith("grouped_mm.default")
     )

@@ -1,6 +1,7 @@
 """Strategy enumeration: ops that ask alike are enumerated once, and each node still owns its tuple."""
 
 import dataclasses
+import operator
 
 import torch
 from conftest import fake_mesh
@@ -87,3 +88,31 @@ def test_routing_elementwise_ops_and_factories_have_rules_not_the_replicated_fal
     assert split[(Shard(0), Shard(1))] == ((Shard(0), Shard(1)), (Replicate(), Shard(0)))
     assert all(not isinstance(p, Partial) for s in found.strategies for pl in (*s.outputs, *s.inputs) for p in pl)
     assert [s.outputs[0] for s in made.strategies] == [(Replicate(), Replicate())]
+
+
+def test_expert_rows_pass_views_that_keep_the_token_dim_and_follow_a_transpose():
+    """A view keeps expert rows only where it leaves their token dim alone: a split or concatenation
+    across the features (SwiGLU's gate and up halves) keeps them, one across the tokens does not,
+    and a transpose (a weight gradient's operand) moves them to the other dim."""
+    from torch.distributed.tensor import Partial
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoplan.shard.expert_rows import ExpertRows, promoted
+    from autoplan.shard.strategies import Strategy
+
+    def views(x):
+        return torch.split(x, 4, 1), torch.split(x, 4, 0), torch.cat([x, x], 1), torch.cat([x, x], 0), x.t()
+
+    gm = make_fx(views, tracing_mode="fake")(torch.randn(8, 8))
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    P, E0, E1 = (Partial(),), (ExpertRows(0),), (ExpertRows(1),)
+
+    def kept(node):
+        n_in = 2 if node.target is torch.ops.aten.cat.default else 1
+        n_out = 2 if node.target is torch.ops.aten.split.Tensor else 1
+        return {(s.inputs[0], s.outputs[0]) for s in promoted(node, [Strategy((P,) * n_out, (P,) * n_in)])}
+
+    split_features, split_tokens, cat_features, cat_tokens, transpose = ops
+    assert kept(split_features) == {(E0, E0)} and kept(cat_features) == {(E0, E0)}
+    assert kept(split_tokens) == {(E1, E1)} and kept(cat_tokens) == {(E1, E1)}  # only a transposed value's
+    assert kept(transpose) == {(E0, E1), (E1, E0)}

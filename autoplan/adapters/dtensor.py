@@ -29,6 +29,7 @@ from torch.distributed.tensor._redistribute import (
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
+from autoplan.shard.expert_rows import ExpertRows
 from autoplan.shard.uneven import gather_runs, is_uneven, pad_segments, uneven_dims
 
 Placements = tuple[Placement, ...]
@@ -284,6 +285,11 @@ def redistribute(value: DTensor, placements: Placements, coordinate: torch.Tenso
     """
     mesh = value.device_mesh
     src = value._spec
+    if any(type(p) is ExpertRows for p in src.placements):  # a Partial to DTensor, relabelled for free
+        relabelled = tuple(
+            Partial() if type(p) is ExpertRows and p != q else p for p, q in zip(src.placements, placements)
+        )
+        src = make_spec(mesh, relabelled, src.tensor_meta)
     dst = make_spec(mesh, placements, src.tensor_meta)
     shape, mesh_shape = tuple(value.shape), tuple(mesh.shape)
     with disable_redistribute_transform_optimization():

@@ -88,10 +88,12 @@ def work_split(
     outputs: Sequence[tuple[TensorMeta, Placements]],
     mesh_shape: Sequence[int],
 ) -> int:
-    """How many ways an op's FLOPs are divided: mesh dims where all placements are Replicate do the full work."""
+    """How many ways an op's FLOPs are divided: mesh dims where all placements are Replicate do the
+    full work. Expert rows do not divide it: each rank's tensor is whole, zeros included (the grouped
+    matmul that makes them divides its work by its expert-split weight)."""
 
     def splits(d: int) -> bool:
-        return any(shard_dim(p[d]) is not None or isinstance(p[d], Partial) for _, p in outputs) or any(
+        return any(shard_dim(p[d]) is not None or type(p[d]) is Partial for _, p in outputs) or any(
             shard_dim(p[d]) is not None for _, p in inputs
         )
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoplan.adapters.dtensor import Placements, shard_dim
 from autoplan.cost.devices import DeviceProfile
 from autoplan.cost.network import MeshTopology, collective_seconds
+from autoplan.shard.expert_rows import ExpertRows
 
 TransferKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "local", "relayout"]
 
@@ -81,6 +82,10 @@ def step_kinds(src: Placement, dst: Placement) -> tuple[TransferKind, ...] | Non
     plain_shards = isinstance(src, Shard) and isinstance(dst, Shard)
     if src == dst:
         return ()
+    if type(dst) is ExpertRows:  # only ops make expert rows
+        return None
+    if type(src) is ExpertRows and type(dst) is Partial and dst.reduce_op == "sum":
+        return ()  # a relabel: expert rows are a partial sum
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return ("all_reduce",)

@@ -36,6 +36,7 @@ from autoplan.lower.passes.gather_fusion import FusionStats, fuse_gather_chains
 from autoplan.lower.validate import GraphCheckError, check_lowered
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
+from autoplan.shard import expert_rows
 from autoplan.shard.strategies import Placements
 from autoplan.trace import attention, grouped_mm, regions
 from autoplan.trace.recompute import closure, just_in_time, layer_of
@@ -261,7 +262,7 @@ def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict, coordinate
     flat, spec = tree_flatten((node.args, node.kwargs))
     flat = [_to(env[a], next(wanted), coordinate) if isinstance(a, fx.Node) else a for a in flat]
     args, kwargs = tree_unflatten(flat, spec)
-    if chosen.rule in LOCAL_RULES:
+    if chosen.rule in LOCAL_RULES or expert_rows.within(chosen):  # DTensor would reduce expert rows first
         return _run_local(node, args, kwargs, mesh, chosen, coordinate)
     result = node.target(*args, **kwargs)
     results = result if isinstance(result, (tuple, list)) else (result,)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.cost.devices import dtype_name
+from autoplan.shard.expert_rows import ExpertRows
 from autoplan.shard.uneven import shrinks
 
 Placements = tuple[Placement, ...]
@@ -39,7 +40,7 @@ def placement_error(
         return f"{len(placements)} placements given for a {len(mesh_shape)}-D mesh"
     factor: dict[int, list[int]] = {}
     for i, p in enumerate(placements):
-        if type(p) not in (Replicate, Shard, Partial):
+        if type(p) not in (Replicate, Shard, Partial, ExpertRows):
             return f"{p!r} (mesh dim {i}) is not a placement: use Replicate(), Shard(d) or Partial()"
         if isinstance(p, Shard):
             d = p.dim + val.ndim if p.dim < 0 else p.dim

@@ -26,7 +26,9 @@ from autoplan.adapters.ops import OpOverload
 from autoplan.adapters.pytree import tree_map
 from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
+from autoplan.shard import expert_rows
 from autoplan.shard.constraints import placement_error
+from autoplan.shard.expert_rows import ExpertRows
 from autoplan.trace import attention, grouped_mm, regions
 from autoplan.trace.tracing import PATH_KEY, RUNTIME_CHECKS
 
@@ -174,19 +176,21 @@ def _grouped_mm_rows(node: fx.Node) -> list[tuple] | None:
     """A grouped matmul (``trace.grouped_mm``) split inside each expert, as DTensor splits it, or
     over the experts, which DTensor never does where offsets group the tokens.
 
-    Split over the experts (the expert-parallel row), every rank holds all the routed tokens
-    (sorted by expert) and the offsets, and multiplies only the rows of its own experts
-    (``grouped_mm.expert_block``): in the forward (2-D x 3-D) its result is zero elsewhere, a
-    partial sum whose reduction combines the experts' outputs; the weight gradient (2-D x 2-D) is
-    the expert-split gradient itself. So expert parallelism moves tokens (gathered in, reduced
-    back) where FSDP moves expert weights, and the costs choose. Offsets and the grouped dim stay
-    whole. ``None`` (DTensor's rule) for a call with a bias or another output dtype.
+    Split over the experts (the expert-parallel row), every rank holds the routed tokens (sorted by
+    expert) and the offsets, and multiplies only the rows of its own experts
+    (``grouped_mm.expert_block``): in the forward (2-D x 3-D) its result is its experts' rows,
+    zero elsewhere (``ExpertRows``: a partial sum whose reduction combines the experts' outputs);
+    the weight gradient (2-D x 2-D) is the expert-split gradient itself. Either reads its tokens
+    whole or as expert rows (the output of a previous expert-parallel matmul, e.g. SwiGLU's
+    hidden units), so expert parallelism moves tokens in once and back once where FSDP moves
+    expert weights, and the costs choose. Offsets and the grouped dim stay whole. ``None``
+    (DTensor's rule) for a call with a bias or another output dtype.
     """
     extra = {**dict(zip(("offs", "bias", "out_dtype"), node.args[2:])), **node.kwargs}
     if extra.get("bias") is not None or extra.get("out_dtype") not in (None, node.meta["val"].dtype):
         return None
     a, b = (x.meta["val"] for x in node.args[:2])
-    R, P = Replicate(), Partial()
+    R, P, E0, E1 = Replicate(), Partial(), ExpertRows(0), ExpertRows(1)
     if a.dim() == 3 and b.dim() == 3:  # one matmul per expert: [E, M, K] x [E, K, N]
         return [
             (Shard(0), Shard(0), Shard(0)),
@@ -195,9 +199,10 @@ def _grouped_mm_rows(node: fx.Node) -> list[tuple] | None:
             (P, Shard(2), Shard(1)),
         ]
     if a.dim() == 2 and b.dim() == 3:  # routed rows [T, K] x experts [E, K, N]
-        return [(P, R, Shard(0), R), (Shard(1), R, Shard(2), R), (P, Shard(1), Shard(1), R)]
+        return [(E0, R, Shard(0), R), (E0, E0, Shard(0), R), (Shard(1), R, Shard(2), R), (P, Shard(1), Shard(1), R)]
     if a.dim() == 2 and b.dim() == 2:  # weight gradient [K, T] x [T, N] -> [E, K, N]
-        return [(Shard(0), R, R, R), (Shard(1), Shard(0), R, R), (Shard(2), R, Shard(1), R)]
+        experts = [(Shard(0), x, y, R) for x in (R, E1) for y in (R, E0)]
+        return [*experts, (Shard(1), Shard(0), R, R), (Shard(2), R, Shard(1), R)]
     return None
 
 
@@ -219,6 +224,21 @@ def _elementwise_rows(node: fx.Node) -> list[tuple] | None:
     return rows
 
 
+def _index_add_rows(node: fx.Node) -> list[tuple]:
+    """``index_add(self, dim, index, source)``, a MoE's combine (each routed row added into its
+    token's row): linear in ``self`` and ``source``, so their partial sums (an expert-parallel
+    matmul's rows) add into a partial sum, reduced once on the tokens rather than on the routed
+    rows (top-k times as many); or split alike on any other dim, the index whole."""
+    ndim = node.meta["val"].dim()
+    dim = node.args[1] % ndim
+    if [a.meta["val"].dim() for a in tensor_inputs(node)] != [ndim, 1, ndim]:
+        return []
+    R = Replicate()
+    rows = [(Partial(), Partial(), R, Partial())]
+    rows += [(Shard(d), Shard(d), R, Shard(d)) for d in range(ndim) if d != dim]
+    return rows
+
+
 def _factory_rows(node: fx.Node) -> list[tuple]:
     """A tensor made from nothing (``arange``, ``zeros``, a lifted constant): every rank makes it whole."""
     return []
@@ -233,10 +253,12 @@ def _check_rows(node: fx.Node) -> list[tuple]:
 # Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...),
 # or None where DTensor's rule serves. DTensor's GPU attention rules cannot take the RNG and
 # integer values their backward reads; its grouped matmul rules never split the experts; it has
-# no rule for some elementwise ops routing uses, nor for tensors made from nothing.
+# no rule for some elementwise ops routing uses (and its combine, ``index_add``), nor for tensors
+# made from nothing.
 _OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple] | None]] = {
     **dict.fromkeys(attention.SDPA_OPS, _sdpa_rows),
     **dict.fromkeys(grouped_mm.GROUPED_MM, _grouped_mm_rows),
+    aten.index_add.default: _index_add_rows,
     **dict.fromkeys((aten.floor_divide.default, aten.remainder.Tensor, aten.copy.default), _elementwise_rows),
     **dict.fromkeys(
         (aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default)
@@ -431,11 +453,16 @@ class StrategyBuilder:
             args_meta, kwargs_meta = _meta_args(node)
             rows = dt.single_dim_rules(op, args_meta, kwargs_meta)
             if rows is not None:
-                rows = [r for r in rows if len(r) == n_out + n_in] + [rep]
+                rows = [r for r in rows if len(r) == n_out + n_in] + expert_rows.elementwise_rows(node) + [rep]
                 cands = _product_rows(rows, n_out, len(self.mesh_shape))
                 return self._finish(node, _producible(node, cands, choices, self.mesh_shape), "dtensor-1d")
             if dt.has_full_rule(op):
-                return self._finish(node, _full_rule(node, self.mesh, choices), "dtensor")
+                # DTensor passes any Partial through as it is, expert rows too, where a transpose moves
+                # their token dim: they are dropped, and made again where the op keeps them
+                cands = [s for s in _full_rule(node, self.mesh, choices) if not expert_rows.within(s)]
+                if op in expert_rows.VIEWS:
+                    cands += expert_rows.promoted(node, cands)
+                return self._finish(node, cands, "dtensor")
         return self._fallback(node)
 
     def _finish(self, node: fx.Node, cands: list[Strategy], source: str) -> NodeStrategies:
@@ -486,7 +513,9 @@ def enumerate_strategies(
                     # moved (an all-to-all into another split, not only a gather)
                     choices[a] = all_placements(a.meta["val"], builder.mesh_shape)
                 elif rep[u] in out:
-                    choices[a] = list(dict.fromkeys(s.outputs[k] for s in out[rep[u]].strategies))
+                    made = dict.fromkeys(s.outputs[k] for s in out[rep[u]].strategies)
+                    # expert rows are a Partial too, relabelled for free
+                    choices[a] = list(made | dict.fromkeys(expert_rows.as_partial(p) for p in made if p is not None))
                 else:
                     choices[a] = all_placements(a.meta["val"], builder.mesh_shape, partial=True)
             out[n] = builder.for_op(n, choices)
