@@ -60,10 +60,11 @@ def make(name: str, batch_rows: int = 4):
         from models import LocalRegionMLP
 
         return LocalRegionMLP, (lambda g: torch.randn(2 * batch_rows, 32, generator=g))
-    if name == "moe_transformer":  # no token dropped: a plan computes what one device does
+    if name in ("moe_transformer", "moe_grouped"):  # no token dropped: a plan computes what one device does
         from autoplan.bench.models.moe import MOE_CONFIGS, MoETransformer
 
-        cfg = dataclasses.replace(MOE_CONFIGS["debug"], capacity_factor=4.0)
+        experts = "grouped" if name == "moe_grouped" else "capacity"
+        cfg = dataclasses.replace(MOE_CONFIGS["debug"], capacity_factor=4.0, experts=experts)
         return (lambda: MoETransformer(cfg)), (
             lambda g: torch.randint(0, cfg.vocab_size, (batch_rows, 16), generator=g)
         )

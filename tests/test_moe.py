@@ -122,6 +122,21 @@ def test_moe_transformer_expert_parallel_matches_single_device():
     check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
 
 
+def test_moe_transformer_with_grouped_experts_matches_single_device_expert_parallel():
+    """The in-repo MoE decoder with its experts as grouped matmuls over tokens sorted by expert
+    (``MoEConfig.experts="grouped"``, as torchtitan writes them: no regions, no capacity), its
+    experts split over dp: the SwiGLU keeps each rank's expert rows, and three AdamW steps (the
+    load-balancing loss's gradients included) match one device."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    ref = reference_run("moe_grouped", batch_rows=8)
+    pins = [("layers.*.feed_forward.w[123]", (S0, R)), *((f"grouped_mm{i}", (E, R)) for i in ("", "_1", "_2"))]
+    plan, lowered, pmod = plan_and_apply(mesh, "moe_grouped", pins, batch_rows=8)
+    assert plan.nodes["grouped_mm_2"].inputs[0] == (E, R)  # the hidden units, where w1 and w3 left them
+    with LocalTensorMode(8):
+        r = parallel_run(mesh, pmod, ref, False, plain=one_value)
+    check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+
+
 @pytest.mark.parametrize("name", ["deepseek-v3-16b", pytest.param("qwen3-30b-a3b", marks=pytest.mark.slow)])
 def test_named_moe_models_plan_with_experts_split(name):
     """``autoplan plan --model deepseek-v3-16b`` and ``qwen3-30b-a3b`` (3 layers here) on 16x8: the
@@ -161,7 +176,7 @@ def test_expert_imbalance_prices_the_busiest_ranks_experts():
         AutoParallel(model, mesh, lambda: torch.randn(8, 256, 256), expert_imbalance=0.5)
 
 
-EP_GROUPED = [("w[123]", (S0, R)), ("grouped_mm", (P, R)), ("grouped_mm_1", (P, R))]
+EP_GROUPED = [("w[123]", (S0, R)), *((f"grouped_mm{i}", (E, R)) for i in ("", "_1", "_2"))]
 EP_CAPACITY = [("layers.*.feed_forward.w[123]", (S0, R)), ("bmm*", (S0, R))]
 
 

@@ -52,18 +52,21 @@ def model_config(name: str, layers: int | None = None, mesh_ndim: int = 2):
     """The config of a named model, optionally with another number of layers: ``llama3-<size>``
     (``autoplan.bench.models.llama3``) or a mixture of experts (``autoplan.bench.models.moe``:
     ``deepseek-v3-16b``, ``qwen3-30b-a3b``, ``deepseek-v3-671b``, ``moe-debug``), whose routing
-    regions are declared for a mesh of ``mesh_ndim`` dims."""
+    regions are declared for a mesh of ``mesh_ndim`` dims; with ``-grouped`` after the name, its
+    experts are grouped matmuls over tokens sorted by expert instead (``MoEConfig.experts``)."""
     from autoplan.bench.models.llama3 import LLAMA3_CONFIGS
     from autoplan.bench.models.moe import MODEL_NAMES, MOE_CONFIGS
 
     moe = {full: size for size, full in MODEL_NAMES.items()}
     family, _, size = name.partition("-")
-    if name in moe:
-        cfg = dataclasses.replace(MOE_CONFIGS[moe[name]], mesh_ndim=mesh_ndim)
+    base, grouped = name.removesuffix("-grouped"), name.endswith("-grouped")
+    if base in moe:
+        experts = "grouped" if grouped else "capacity"
+        cfg = dataclasses.replace(MOE_CONFIGS[moe[base]], mesh_ndim=mesh_ndim, experts=experts)
     elif family == "llama3" and size in LLAMA3_CONFIGS:
         cfg = LLAMA3_CONFIGS[size]
     else:
-        known = [f"llama3-{k}" for k in LLAMA3_CONFIGS] + list(moe)
+        known = [f"llama3-{k}" for k in LLAMA3_CONFIGS] + list(moe) + [f"{m}-grouped" for m in moe]
         raise ValueError(f"unknown model {name!r}; choose from " + ", ".join(known))
     if layers is not None and layers < 1:
         raise ValueError(f"the number of layers must be at least 1, got {layers}")

@@ -1,14 +1,21 @@
 """A torchtitan-style mixture-of-experts decoder: LLaMA-3's attention and norms, and in each layer
 past the first dense ones a token-choice top-k MoE: a router with a load-balancing loss, a shared
-expert, SwiGLU routed experts and routing that runs in ``autoplan.local_map`` regions.
+expert and SwiGLU routed experts, in one of two forms (``MoEConfig.experts``):
 
-Routing is written as expert-parallel code writes it: each rank sends its own tokens into its own
-slots of static per-expert capacity buffers ``[E, C, D]`` (``C = ceil(tokens x top_k / E x
-capacity_factor)`` of the tokens it holds; those past an expert's capacity are dropped, as
-capacity-based MoEs drop them) and reads them back. Between the two regions the experts are plain
-batched matmuls over the buffers, which the planner may split over the experts (expert parallel,
-the buffers moving by all-to-all), inside each expert, or not at all. The configs' shapes follow
-the published models; attention is LLaMA's grouped-query attention, not DeepSeek's MLA.
+- ``"capacity"``: routing written as expert-parallel code writes it, in ``autoplan.local_map``
+  regions: each rank sends its own tokens into its own slots of static per-expert capacity buffers
+  ``[E, C, D]`` (``C = ceil(tokens x top_k / E x capacity_factor)`` of the tokens it holds; those
+  past an expert's capacity are dropped, as capacity-based MoEs drop them) and reads them back.
+  Between the two regions the experts are plain batched matmuls over the buffers, which the planner
+  may split over the experts (expert parallel, the buffers moving by all-to-all), inside each
+  expert, or not at all.
+- ``"grouped"``: written as for one device, as torchtitan's experts are: the routed tokens sorted
+  by expert, per-expert offsets, grouped matmuls (``torch._grouped_mm``) and an ``index_add``
+  combine. No regions, no capacity, nothing dropped: the planner splits the grouped matmuls over
+  the experts (``autoplan.shard.expert_rows``), inside each, or not at all.
+
+The configs' shapes follow the published models; attention is LLaMA's grouped-query attention, not
+DeepSeek's MLA.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class MoEConfig(LlamaConfig):
     count_dropped: bool = False
     aux_loss_weight: float = 1e-2
     mesh_ndim: int = 2  # the routing regions split tokens over the first mesh dim
+    experts: str = "capacity"  # or "grouped" (see the module's docstring)
 
 
 MOE_CONFIGS: dict[str, MoEConfig] = {
@@ -124,7 +132,10 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.expert_dim, cfg.dim))
         shared = LlamaConfig(cfg.dim, 1, 1, 1, 1, cfg.n_shared * cfg.expert_dim) if cfg.n_shared else None
         self.shared = FeedForward(shared) if shared else None
-        self.dispatch, self.combine = _dispatch(cfg), _combine(cfg)
+        if cfg.experts == "capacity":
+            self.dispatch, self.combine = _dispatch(cfg), _combine(cfg)
+        elif cfg.experts != "grouped":
+            raise ValueError(f"MoEConfig.experts is 'capacity' or 'grouped', not {cfg.experts!r}")
         # routed tokens (token x choice) past their expert's capacity, summed over steps and ranks
         if cfg.count_dropped:
             self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
@@ -139,14 +150,30 @@ class MoE(nn.Module):
         # load balance: the experts' share of the routed tokens times their mean probability
         share = F.one_hot(chosen, self.cfg.n_experts).sum(1).float().mean(0) / self.cfg.top_k
         aux = self.cfg.aux_loss_weight * self.cfg.n_experts * (share * probs.mean(0)).sum()
-        buffer, slot, dropped = self.dispatch(tokens, chosen)
-        if self.cfg.count_dropped:
-            self.tokens_dropped.add_(dropped.sum())
-        out = torch.bmm(F.silu(torch.bmm(buffer, self.w1)) * torch.bmm(buffer, self.w3), self.w2)
-        y = self.combine(out, chosen, slot, scores.to(out.dtype)).reshape(b, s, d)
+        if self.cfg.experts == "grouped":
+            y = self._grouped(tokens, chosen, scores).reshape(b, s, d)
+        else:
+            buffer, slot, dropped = self.dispatch(tokens, chosen)
+            if self.cfg.count_dropped:
+                self.tokens_dropped.add_(dropped.sum())
+            out = torch.bmm(F.silu(torch.bmm(buffer, self.w1)) * torch.bmm(buffer, self.w3), self.w2)
+            y = self.combine(out, chosen, slot, scores.to(out.dtype)).reshape(b, s, d)
         if self.shared is not None:
             y = y + self.shared(x)
         return _AddAuxLoss.apply(y, aux)
+
+    def _grouped(self, tokens: torch.Tensor, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Every routed (token, choice) row sorted by expert, the experts' SwiGLU as grouped matmuls
+        over their runs of rows, each output weighted by its score and added into its token."""
+        e, k = self.cfg.n_experts, self.cfg.top_k
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        offsets = torch.histc(flat.float(), bins=e, min=0, max=e - 1).cumsum(0).to(torch.int32)
+        token = order // k
+        routed = tokens[token]
+        hidden = F.silu(torch._grouped_mm(routed, self.w1, offsets)) * torch._grouped_mm(routed, self.w3, offsets)
+        out = torch._grouped_mm(hidden, self.w2, offsets) * scores.reshape(-1)[order, None].to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add(0, token, out)
 
     def init_weights(self, std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, std=0.02)
