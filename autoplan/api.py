@@ -536,6 +536,7 @@ class AutoParallel:
             inputs,
             return_dtensor,
             [fqn for _, fqn in sorted(tg.written_buffers.items())],
+            tg.returns,
         )
         self.timings["apply"] = time.perf_counter() - t0
         self.lowered, self.applied_plan = lowered, applied

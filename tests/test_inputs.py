@@ -307,3 +307,32 @@ def test_functionalized_trace_takes_keywords():
     assert [n for n, _ in tg.inputs.tensors] == ["x", "mask"]
     assert [lab for lab in tg.input_labels if lab[0] == "input"] == [("input", 0), ("input", 1)]
     assert any(3.0 in n.args for n in tg.gm.graph.nodes if n.op == "call_function")
+
+
+def test_the_parallel_module_returns_what_forward_returns():
+    """``forward`` returning a structure (a dict holding a tuple, ``None`` and a number, as Hugging
+    Face's ``ModelOutput`` holds logits beside ``None`` fields): the parallel module returns the
+    same structure, its tensors the rank's local outputs, its other values as traced."""
+
+    class Structured(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return {"out": (h, h.sum(-1)), "loss": None, "layers": 1}
+
+    mesh = fake_mesh((2, 4))
+    with torch.device("meta"):
+        model = Structured()
+    with AutoParallel(model, mesh, lambda: torch.randn(8, 4)) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO, IO])
+        pmod = ap.apply_placement(ap.optimize_placement())
+    with LocalTensorMode(RANKS):
+        pmod.to_empty(device="cpu")
+        got = pmod(distribute_tensor(torch.randn(8, 4), mesh, IO).to_local())
+    assert set(got) == {"out", "loss", "layers"} and got["loss"] is None and got["layers"] == 1
+    h, total = got["out"]
+    assert tuple(h.shape) == (4, 4) and tuple(total.shape) == (4,)  # the batch split over dp's 2 ranks

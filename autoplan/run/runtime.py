@@ -36,7 +36,7 @@ from autoplan.lower.lowering import LoweredGraph
 from autoplan.plan import placements_str
 from autoplan.shard.strategies import Placements
 from autoplan.shard.uneven import is_uneven, local_shape_at
-from autoplan.trace.inputs import InputSpec
+from autoplan.trace.inputs import InputSpec, OutputSpec
 
 
 @dataclass
@@ -136,6 +136,8 @@ class ParallelMixin:
         if state.written_buffers:
             outs = _write_buffers(self, state.written_buffers, outs)
         outs = [state.wrap_output(i, o) for i, o in enumerate(outs)]
+        if state.returns is not None and state.returns.n_tensors == len(outs):
+            return state.returns.build(outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -241,6 +243,7 @@ class _State:
     output_shapes: list[tuple[torch.Size, tuple[int, ...]] | None]
     return_dtensor: bool
     written_buffers: list[str]  # buffers the forward writes, in the order their new values follow the outputs
+    returns: OutputSpec | None = None  # what the model's forward returns, built around its output tensors
     padded: dict[int, tuple[int, ...]] = field(default_factory=dict)  # uneven parameter's index -> its padded shape
     coordinates: dict = field(default_factory=dict)  # per simulated world (``world_key``): this rank's mesh coordinate
     unfilled: dict = field(default_factory=dict)  # non-persistent buffer FQN -> ``_written`` right after to_empty
@@ -331,6 +334,7 @@ def build_parallel_module(
     inputs: InputSpec,
     return_dtensor: bool = False,
     written_buffers: list[str] = (),
+    returns: OutputSpec | None = None,
 ) -> nn.Module:
     memo: dict[int, object] = {}
     for fqn, p in model.named_parameters():
@@ -366,6 +370,7 @@ def build_parallel_module(
             output_shapes=output_shapes,
             return_dtensor=return_dtensor,
             written_buffers=list(written_buffers),
+            returns=returns,
             padded={i: shape for i, shape in enumerate(params) if shape is not None},
         ),
     )

@@ -247,3 +247,34 @@ class InputSpec:
             for i, (n, v) in enumerate(zip(self.names, self.leaves))
         ]
         return "; ".join(parts) or "none"
+
+
+_TENSOR = object()  # an output leaf that is one of the graph's outputs
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What ``forward`` returned when traced: its structure (a tensor, tuples, dicts, Hugging Face's
+    ``ModelOutput``), with a slot per tensor (the graph's outputs, in order) and every other leaf
+    kept as a constant (``None``, a number) or, for an object no plan runs (a KV cache object that
+    does not flatten), ``None``. The parallel module returns what the model returns."""
+
+    spec: pytree.Spec
+    leaves: tuple
+
+    @classmethod
+    def of(cls, out: Any) -> OutputSpec:
+        flat, spec = pytree.tree_flatten(out)
+        kept = tuple(
+            _TENSOR if isinstance(t, torch.Tensor) else t if isinstance(t, (*CONSTANTS, str)) else None for t in flat
+        )
+        return cls(spec, kept)
+
+    @property
+    def n_tensors(self) -> int:
+        return sum(leaf is _TENSOR for leaf in self.leaves)
+
+    def build(self, tensors: Sequence) -> Any:
+        """The model's return value with ``tensors`` (the graph's outputs) in its tensor slots."""
+        it = iter(tensors)
+        return pytree.unflatten([next(it) if leaf is _TENSOR else leaf for leaf in self.leaves], self.spec)

@@ -34,7 +34,7 @@ from autoplan.progress import ticker
 from autoplan.trace import attention as attn
 from autoplan.trace import grouped_mm, regions, stamping
 from autoplan.trace.batch_norm import batch_norm
-from autoplan.trace.inputs import InputSpec, split_call
+from autoplan.trace.inputs import InputSpec, OutputSpec, split_call
 from autoplan.trace.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
 from autoplan.trace.trace_errors import named_failures
 
@@ -64,6 +64,7 @@ class TracedGraph:
     # follow the model's own outputs, stay replicated like their buffers and are copied back after a step
     written_buffers: dict[int, str] = field(default_factory=dict)
     inputs: InputSpec | None = None  # the traced call: its tensors are the "input" placeholders, in order
+    returns: OutputSpec | None = None  # what forward returned: its tensors are the "output" outputs, in order
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -128,6 +129,7 @@ class _LossWrapper(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
         self.inputs = inputs  # the traced call: where the tensors go, and the constants between them
+        self.returns: OutputSpec | None = None  # what the whole model's forward returned (its first call)
 
     def forward(self, *tensors):
         # the graph's inputs are the call's tensors alone: its constants (None, Python numbers) go back
@@ -136,6 +138,8 @@ class _LossWrapper(nn.Module):
         out = self.model(*args, **kwargs)
         if self.loss_fn is not None:
             out = self.loss_fn(out)
+        if self.returns is None:
+            self.returns = OutputSpec.of(out)
         # the outputs' tensors: output dataclasses (Hugging Face's ModelOutput) flatten, and what is no
         # tensor (a KV cache object, None, a Python number) needs no placement, so it is dropped
         return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -661,4 +665,5 @@ def trace_joint(
         stamped=stamped,
         written_buffers={i: _strip(("", fqn))[1] for i, fqn in written.items()},
         inputs=inputs,
+        returns=wrapper.returns,
     )
