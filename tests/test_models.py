@@ -39,7 +39,7 @@ def run_both(build, batches, targets, constrain=lambda ap: None, shape=(2, 4)):
         loss = _loss(ref(x), y)
         loss.backward()
         if step == 0:
-            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
         ref_losses.append(loss.detach())
         opt.step()
         opt.zero_grad()
@@ -65,8 +65,11 @@ def run_both(build, batches, targets, constrain=lambda ap: None, shape=(2, 4)):
             if not close(one_value(loss, ranks), ref_losses[step]):
                 differ.append(f"loss {step}")
             if step == 0:
-                grads = [(n, one_value(p.grad, ranks)) for n, p in pmod.named_parameters()]
-                differ += [n for n, g in grads if not close(g, ref_grads[n])]
+                grads = [(n, None if p.grad is None else one_value(p.grad, ranks)) for n, p in pmod.named_parameters()]
+                for n, g in grads:  # a frozen parameter has no gradient on either side
+                    want = ref_grads[n]
+                    if (g is None) != (want is None) or (g is not None and not close(g, want)):
+                        differ.append(n)
             opt.step()
             opt.zero_grad()
         for name, b in pmod.named_buffers():
@@ -137,6 +140,22 @@ def test_vit_with_a_class_token_and_197_positions_matches_one_device():
     plan, _, differ = run_both(ViT, batches, targets, lambda ap: ap.add_memory_constraint(param_fraction=1 / 8))
     assert not differ, differ
     assert plan.param_placements["pos"] != (R, R)
+
+
+def test_frozen_parameters_plan_and_train_like_one_device():
+    """A parameter with ``requires_grad=False`` (a frozen embedding or backbone, Whisper's positions,
+    a LoRA base weight): it has no gradient, in the plan or on one device, and the rest trains as
+    on one device."""
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        model[0].weight.requires_grad_(False)
+        return model
+
+    batches = [torch.randn(16, 32, generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
+    targets = [torch.randn(16, 32, generator=torch.Generator().manual_seed(10 + s)) for s in range(STEPS)]
+    plan, _, differ = run_both(build, batches, targets)
+    assert not differ, differ
 
 
 def test_checkpointed_closures_and_a_custom_autograd_function_match_one_device():

@@ -368,14 +368,17 @@ def _trace_fast(wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode, f
         inputs = tree_unflatten(primals[n_p + n_b :], args_spec)
         out = tree_flatten(torch.func.functional_call(wrapper, state, inputs))[0]
         wrt = [*primals[:n_p], *(primals[n_p + n_b + i] for i in diff_in)]
+        trained = [i for i, t in enumerate(wrt) if t.requires_grad]  # a frozen parameter has no gradient
         _tag_backward_seq_nr([out[i] for i in diff_out])
         fx_traceback.current_meta["custom"] = {_BACKWARD: True}
+        grads = [None] * len(wrt)
         try:
-            grads = (
-                torch.autograd.grad([out[i] for i in diff_out], wrt, tangents, allow_unused=True)
-                if diff_out
-                else [None] * len(wrt)
-            )
+            if diff_out and trained:
+                found = torch.autograd.grad(
+                    [out[i] for i in diff_out], [wrt[i] for i in trained], tangents, allow_unused=True
+                )
+                for i, g in zip(trained, found):
+                    grads[i] = g
         finally:
             fx_traceback.current_meta.pop("custom", None)
         return [*out, *grads]
