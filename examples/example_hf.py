@@ -1,10 +1,12 @@
-"""Plan Hugging Face causal LMs as users call them, from tiny configs (nothing is downloaded).
+"""Plan Hugging Face models as users call them, from tiny configs (nothing is downloaded).
 
     pip install -e '.[hf]' && python examples/example_hf.py [--families llama,gpt2] [--meshes 8,2x4]
 
 Each family's model is built on the meta device from a small config and planned on each mesh with
 batch-split inputs and outputs and parameters split over every rank; the table says which plan and,
-for those that do not, the error autoplan raised.
+for those that do not, the error autoplan raised. The families are causal LMs (``model(input_ids)``)
+and, beyond them, encoders, encoder-decoders called with keywords, vision and speech models
+(``BEYOND``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,55 @@ FAMILIES = {
 }
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
+_ENCODER = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+_SEQ2SEQ = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
+_SEQ2SEQ |= dict(vocab_size=VOCAB, d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128)
+_IMAGE = (3, 32, 32)  # an image's channels, height and width
+# beyond causal LMs: model type -> (its transformers Auto class, tiny config arguments, the call's
+# inputs by keyword: "tokens" for token ids of (BATCH, SEQ), else a float tensor's per-sample shape)
+BEYOND: dict[str, tuple[str, dict, dict]] = {
+    "bert": ("AutoModelForMaskedLM", _ENCODER | dict(max_position_embeddings=64), {"input_ids": "tokens"}),
+    "roberta": (
+        "AutoModelForSequenceClassification",
+        _ENCODER | dict(max_position_embeddings=64, num_labels=3),
+        {"input_ids": "tokens"},
+    ),
+    "t5": (
+        "AutoModelForSeq2SeqLM",
+        dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0),
+        {"input_ids": "tokens", "decoder_input_ids": "tokens"},
+    ),
+    "bart": (
+        "AutoModelForSeq2SeqLM",
+        _SEQ2SEQ | dict(max_position_embeddings=64),
+        {"input_ids": "tokens", "decoder_input_ids": "tokens"},
+    ),
+    "whisper": (  # a frozen parameter (the encoder's positions)
+        "AutoModelForSpeechSeq2Seq",
+        _SEQ2SEQ
+        | dict(num_mel_bins=16, max_source_positions=16, max_target_positions=32)
+        | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
+        {"input_features": (16, 32), "decoder_input_ids": "tokens"},
+    ),
+    "vit": (
+        "AutoModelForImageClassification",
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32)
+        | dict(patch_size=8, num_labels=10),
+        {"pixel_values": _IMAGE},
+    ),
+    "convnext": (
+        "AutoModelForImageClassification",
+        dict(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=10),
+        {"pixel_values": _IMAGE},
+    ),
+    "resnet": (  # BatchNorm in training mode
+        "AutoModelForImageClassification",
+        dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10),
+        {"pixel_values": _IMAGE},
+    ),
+}
+ALL = (*FAMILIES, *BEYOND)
+
 # how a family's model is built, where not by its defaults (Mixtral's default experts kernel, the
 # grouped matmul, traces in fp32 through autoplan's; its "eager" one routes tokens with nonzero)
 MODEL_OPTIONS: dict[str, dict] = {}
@@ -88,7 +139,19 @@ MODEL_OPTIONS: dict[str, dict] = {}
 def tiny_config(family: str):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **{k: v for k, v in FAMILIES[family].items() if v is not None})
+    sizes = FAMILIES[family] if family in FAMILIES else BEYOND[family][1]
+    return AutoConfig.for_model(family, **{k: v for k, v in sizes.items() if v is not None})
+
+
+def example_call(family: str, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """The family's inputs for one call, by keyword: token ids, or images and spectrograms."""
+    kinds = BEYOND[family][2] if family in BEYOND else {"input_ids": "tokens"}
+    return {
+        name: torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+        if kind == "tokens"
+        else torch.randn(BATCH, *kind, generator=generator)
+        for name, kind in kinds.items()
+    }
 
 
 def _without_dropout(cfg):
@@ -101,11 +164,12 @@ def _without_dropout(cfg):
 
 def tiny_model(family: str, dropout: bool = True, device: str = "meta") -> torch.nn.Module:
     """The family's tiny model, by default on the meta device (planning needs no memory)."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     cfg = tiny_config(family) if dropout else _without_dropout(tiny_config(family))
+    auto = getattr(transformers, BEYOND[family][0] if family in BEYOND else "AutoModelForCausalLM")
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, **MODEL_OPTIONS.get(family, {}))
+        return auto.from_config(cfg, **MODEL_OPTIONS.get(family, {}))
 
 
 def plan_family(family: str, shape: tuple[int, ...]) -> tuple[bool, str]:
@@ -115,8 +179,8 @@ def plan_family(family: str, shape: tuple[int, ...]) -> tuple[bool, str]:
         io = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # replicated fallbacks: the table is about what plans
-            with AutoParallel(model, fake_mesh(shape), lambda: torch.randint(0, VOCAB, (BATCH, SEQ))) as ap:
-                ap.add_input_constraints([io])
+            with AutoParallel(model, fake_mesh(shape), lambda: example_call(family)) as ap:
+                ap.add_input_constraints(dict.fromkeys(example_call(family), io))
                 ap.add_output_constraints([io])
                 ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
                 plan = ap.optimize_placement()
@@ -146,16 +210,16 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None) -> Numeric
 
     torch.manual_seed(0)
     ref = tiny_model(family, dropout=False, device="cpu")
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    call = example_call(family, torch.Generator().manual_seed(1))
     with any_dtype_grouped_mm():  # an fp32 MoE's experts on CPU (ATen's grouped matmul takes bfloat16 only)
-        ref_loss = ref(tokens).logits.pow(2).mean()
+        ref_loss = ref(**call).logits.pow(2).mean()
     ref_loss.backward()
 
     mesh, io = fake_mesh(shape), (Shard(0),) + (Replicate(),) * (len(shape) - 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with AutoParallel(tiny_model(family, dropout=False), mesh, lambda: torch.randint(0, VOCAB, (BATCH, SEQ))) as ap:
-            ap.add_input_constraints([io])
+        with AutoParallel(tiny_model(family, dropout=False), mesh, lambda: example_call(family)) as ap:
+            ap.add_input_constraints(dict.fromkeys(call, io))
             ap.add_output_constraints([io])  # output 0: the logits
             ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
             for target, placements in pins(ap.traced) if pins else ():
@@ -167,13 +231,14 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None) -> Numeric
         for name, b in pmod.named_buffers():  # RoPE tables and the like, which no state dict carries
             (b.to_local() if isinstance(b, DTensor) else b).copy_(ref.get_buffer(name))
         pmod.load_state_dict(ref.state_dict())
-        out = pmod(distribute_tensor(tokens, mesh, io).to_local())
+        out = pmod(**{name: distribute_tensor(t, mesh, io).to_local() for name, t in call.items()})
         logits = out.logits  # the parallel module returns what the model returns
         loss = DTensor.from_local(logits, mesh, io, run_check=False).pow(2).mean()
         loss.backward()
         errors = {"loss": (rank_value(loss.full_tensor()), ref_loss.detach())}
         for name, p in pmod.named_parameters():
-            errors[name] = (rank_value(p.grad.full_tensor()), ref.get_parameter(name).grad)
+            if p.requires_grad:
+                errors[name] = (rank_value(p.grad.full_tensor()), ref.get_parameter(name).grad)
     worst, bad = 0.0, []
     for name, (got, want) in errors.items():
         # relative to the tensor's norm, or to atol where it is ~0 (a key bias' gradient is round-off)
@@ -201,7 +266,7 @@ def _print_numerics(family: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model types")
+    parser.add_argument("--families", default=",".join(ALL), help="comma-separated model types")
     parser.add_argument("--meshes", default="8,2x4", help="comma-separated mesh shapes")
     parser.add_argument(
         "--numerics",
@@ -210,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     families = args.families.split(",")
-    unknown = [f for f in families if f not in FAMILIES]
+    unknown = [f for f in families if f not in ALL]
     if unknown:
-        raise SystemExit(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+        raise SystemExit(f"unknown families {unknown}; choose from {', '.join(ALL)}")
     meshes = [parse_mesh(m) for m in args.meshes.split(",")]
     fake_mesh((math.prod(max(meshes, key=math.prod)),))  # the fake world, sized for the largest mesh
     rows, failures, matched = [], 0, 0

@@ -63,6 +63,29 @@ def test_expert_parallelism_through_the_swiglu_matches_single_device(family):
     assert type(r.plan).from_json(r.plan.to_json()).nodes == r.plan.nodes  # expert rows save and load
 
 
+@pytest.mark.parametrize(
+    "family", [f if f == "t5" else pytest.param(f, marks=pytest.mark.slow) for f in example_hf.BEYOND]
+)
+def test_models_beyond_causal_lms_match_single_device(family):
+    """Encoders (BERT masked LM, RoBERTa classifier), encoder-decoders called with keywords (T5, BART,
+    Whisper with its frozen positions), vision models (ViT, ConvNeXt, ResNet with BatchNorm): each
+    planned on 2x2 and trained one step under ``LocalTensorMode`` matches single-device fp32, called
+    and returning as on one device (``out.logits``)."""
+    fake_mesh((4,))
+    r = example_hf.numerics(family)
+    assert not r.bad and r.worst < 1e-4, (r.worst, r.bad)
+    assert r.sharded > 0
+
+
+def test_an_encoder_decoder_training_with_dropout_plans():
+    """BART as configured by default (dropout 0.1), in training mode: dropout traces as one fused
+    kernel, and Hugging Face's mask checks see fake tensors (through a functionalizing trace, they
+    read mask values and stopped the trace)."""
+    fake_mesh((8,))
+    ok, what = example_hf.plan_family("bart", (8,))
+    assert ok, what
+
+
 def test_tied_weights_are_one_decision():
     """GPT-2's head shares the embedding's weight; its functionalizing trace lifted both attributes:
     one placeholder, one placement, counted once by the budget, and a pin on either name reaches it."""

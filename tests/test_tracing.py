@@ -218,3 +218,14 @@ def test_inplace_and_functional_variants_have_the_same_labels():
     assert a.joint is None and b.joint is not None  # the two tracing paths
     assert a.input_labels == b.input_labels
     assert a.output_labels == b.output_labels
+
+
+def test_dropout_traces_as_the_fused_kernel_without_functionalizing():
+    """Training with dropout traces ``aten.native_dropout`` (what a GPU runs), not the CPU's fresh
+    mask filled in place, so the fast trace serves: no in-place op, no functionalizing re-trace."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8))
+    tg = trace_joint(model, lambda: torch.randn(4, 8))
+    targets = Counter(n.target for n in tg.gm.graph.nodes if n.op == "call_function")
+    assert tg.joint is None  # the fast path
+    assert targets[torch.ops.aten.native_dropout.default] == 1
+    assert not [t for t in targets if "bernoulli" in str(t)]

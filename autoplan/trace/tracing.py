@@ -285,8 +285,11 @@ def _sdpa_kernel_call(
 class _TracedFunctions(TorchFunctionMode):
     """While tracing, ``F.scaled_dot_product_attention`` calls the aten kernel ``option`` picks (the
     host's own dispatch for ``"cpu"``), ``F.batch_norm`` computes its statistics with reductions
-    the planner can split (``autoplan.trace.batch_norm``), and ``torch._grouped_mm`` runs in any
-    floating dtype (``autoplan.trace.grouped_mm``)."""
+    the planner can split (``autoplan.trace.batch_norm``), ``torch._grouped_mm`` runs in any
+    floating dtype (``autoplan.trace.grouped_mm``) and ``F.dropout`` is the one fused kernel a GPU
+    runs (``aten.native_dropout``): the CPU's way, a fresh mask filled in place, would send every
+    model training with dropout through the slower functionalizing trace, where Hugging Face's
+    checks for tracing no longer see fake tensors and read mask values."""
 
     def __init__(self, option: str):
         super().__init__()
@@ -300,7 +303,15 @@ class _TracedFunctions(TorchFunctionMode):
             return batch_norm(*args, **kwargs)
         if func is grouped_mm.aten_grouped_mm:
             return grouped_mm.in_any_dtype(*args, **kwargs)
+        if func is F.dropout:
+            return _fused_dropout(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    if not training or p == 0 or inplace:
+        return F.dropout(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
 
 
 def _deepest_path(node: fx.Node) -> str:
