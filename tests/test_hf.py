@@ -64,7 +64,7 @@ def test_expert_parallelism_through_the_swiglu_matches_single_device(family):
 
 
 @pytest.mark.parametrize(
-    "family", [f if f == "t5" else pytest.param(f, marks=pytest.mark.slow) for f in example_hf.BEYOND]
+    "family", [f if f == "bert" else pytest.param(f, marks=pytest.mark.slow) for f in example_hf.BEYOND]
 )
 def test_models_beyond_causal_lms_match_single_device(family):
     """Encoders (BERT masked LM, RoBERTa classifier), encoder-decoders called with keywords (T5, BART,

@@ -106,6 +106,7 @@ def test_fp32_moe_runs_with_single_device_numerics(pins):
         assert tuple(w1.args[1].meta["val"].shape) == (4, 32, 8)
 
 
+@pytest.mark.slow  # the gloo MoE test runs it too, eager and compiled
 def test_moe_transformer_expert_parallel_matches_single_device():
     """The in-repo MoE decoder (a dense first layer, then top-2 of 4 experts with a shared expert
     and the load-balancing loss, routing in regions) with its experts split over dp: the buffers
@@ -122,6 +123,7 @@ def test_moe_transformer_expert_parallel_matches_single_device():
     check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
 
 
+@pytest.mark.slow
 def test_moe_transformer_with_grouped_experts_matches_single_device_expert_parallel():
     """The in-repo MoE decoder with its experts as grouped matmuls over tokens sorted by expert
     (``MoEConfig.experts="grouped"``, as torchtitan writes them: no regions, no capacity), its

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from autoplan.adapters.ops import grouped_mm
 from autoplan.bench.models.llama3 import FeedForward, LlamaConfig, RMSNorm, TransformerBlock, rope_tables
 from autoplan.trace.regions import local_map
 
@@ -171,8 +172,8 @@ class MoE(nn.Module):
         offsets = torch.histc(flat.float(), bins=e, min=0, max=e - 1).cumsum(0).to(torch.int32)
         token = order // k
         routed = tokens[token]
-        hidden = F.silu(torch._grouped_mm(routed, self.w1, offsets)) * torch._grouped_mm(routed, self.w3, offsets)
-        out = torch._grouped_mm(hidden, self.w2, offsets) * scores.reshape(-1)[order, None].to(tokens.dtype)
+        hidden = F.silu(grouped_mm(routed, self.w1, offsets)) * grouped_mm(routed, self.w3, offsets)
+        out = grouped_mm(hidden, self.w2, offsets) * scores.reshape(-1)[order, None].to(tokens.dtype)
         return torch.zeros_like(tokens).index_add(0, token, out)
 
     def init_weights(self, std: float) -> None:
