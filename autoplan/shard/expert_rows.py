@@ -127,7 +127,7 @@ def _view_outputs(node, dim: int) -> int | None:
     ndim = (first[0] if isinstance(first, (list, tuple)) else first).meta["val"].dim()
     if ndim != 2:
         return None
-    if op in (aten.alias.default, aten.detach.default, aten.clone.default):
+    if op in (aten.alias.default, aten.detach.default):
         return dim
     if op is aten.t.default:
         return 1 - dim
