@@ -156,6 +156,7 @@ class CostModel:
         self._costs: dict[tuple, float] = {}  # by ``_key``
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}  # by ``_move``
         self._seconds: dict[tuple, float] = {}  # by ``_move``
+        self._step_plans: dict[tuple, tuple[Transfer, ...]] = {}  # by (step, local shapes, contiguous, itemsize)
         self._matrices: dict[tuple, np.ndarray] = {}
         self._local_shapes: dict[tuple, tuple[int, ...]] = {}  # by (shape, tensor dim each mesh dim splits)
         self._transfer_s: dict[tuple, float] = {}  # by (kind, mesh dim, bytes)
@@ -275,30 +276,44 @@ class CostModel:
         if not steps:
             return steps
         transfers: list[Transfer] = []
-        mesh_shape, itemsize = self.topology.shape, meta.dtype.itemsize
+        itemsize = meta.dtype.itemsize
         current = list(self._dims[src])  # the tensor dim each mesh dim splits, as the steps go
         contiguous = is_contiguous(meta.shape, meta.stride)  # every step's output is a fresh contiguous tensor
         after = self._local_shape(meta.shape, current)
         for step in steps:
-            n = mesh_shape[step.mesh_dim]
             before = after
             current[step.mesh_dim] = step.dst_dim
             after = self._local_shape(meta.shape, current)
-            size = math.prod(before) * itemsize  # the local bytes the next primitive reads
-            for k in step.kinds:
-                copies = relayout_copies(k, step.src_dim, step.dst_dim, before, after)
-                # NCCL needs a contiguous input (a transposed view is not); an all-to-all's own copy may do
-                if k != "local" and not contiguous and not (copies and copies[0] is before):
-                    copies = (before, *copies)
-                made = made_bytes(k, size, n, math.prod(after) * itemsize)
-                primitive = Transfer(k, step.mesh_dim, step_bytes(k, size, n, made), made)
-                if copies:  # in the order they run: copies of the input before the collective, of its output after
-                    transfers += [relayout_transfer(step.mesh_dim, c, itemsize) for c in copies if c is before]
-                    transfers.append(primitive)
-                    transfers += [relayout_transfer(step.mesh_dim, c, itemsize) for c in copies if c is not before]
-                else:
-                    transfers.append(primitive)
-                size, contiguous = made, True
+            key = (step, before, after, contiguous, itemsize)
+            found = self._step_plans.get(key)
+            if found is None:
+                found = self._step_plans[key] = self._step_plan(step, before, after, contiguous, itemsize)
+            transfers += found
+            contiguous = contiguous or bool(step.kinds)
+        return tuple(transfers)
+
+    def _step_plan(
+        self, step: _Step, before: tuple[int, ...], after: tuple[int, ...], contiguous: bool, itemsize: int
+    ) -> tuple[Transfer, ...]:
+        """One step's primitives, from local shape ``before`` to ``after``, with the re-layout copies
+        its collectives make; kept per step and shapes (moves from many sources share their steps)."""
+        transfers: list[Transfer] = []
+        n = self.topology.shape[step.mesh_dim]
+        size = math.prod(before) * itemsize  # the local bytes the next primitive reads
+        for k in step.kinds:
+            copies = relayout_copies(k, step.src_dim, step.dst_dim, before, after)
+            # NCCL needs a contiguous input (a transposed view is not); an all-to-all's own copy may do
+            if k != "local" and not contiguous and not (copies and copies[0] is before):
+                copies = (before, *copies)
+            made = made_bytes(k, size, n, math.prod(after) * itemsize)
+            primitive = Transfer(k, step.mesh_dim, step_bytes(k, size, n, made), made)
+            if copies:  # in the order they run: copies of the input before the collective, of its output after
+                transfers += [relayout_transfer(step.mesh_dim, c, itemsize) for c in copies if c is before]
+                transfers.append(primitive)
+                transfers += [relayout_transfer(step.mesh_dim, c, itemsize) for c in copies if c is not before]
+            else:
+                transfers.append(primitive)
+            size, contiguous = made, True
         return tuple(transfers)
 
     def _uneven_plan(self, src: Placements, dst: Placements, meta: TensorMeta) -> tuple[Transfer, ...] | None:
@@ -380,10 +395,15 @@ class CostModel:
             move, steps = self._move(src, dst, meta, key)
             found = self._seconds.get(move)
             if found is None:
-                plan = self._plan_of(move, steps, meta, key[0])
-                found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
-                self._seconds[move] = found
+                found = self._move_seconds(move, steps, meta, key[0])
             self._costs[key] = found
+        return found
+
+    def _move_seconds(self, move: tuple, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int) -> float:
+        """A move's seconds (``math.inf`` where DTensor cannot run it), kept by ``_move``."""
+        plan = self._plan_of(move, steps, meta, src)
+        found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
+        self._seconds[move] = found
         return found
 
     def redistribute_costs(
@@ -396,12 +416,32 @@ class CostModel:
         key = (tuple(src_ids), tuple(dst_ids), *tensor)
         found = self._matrices.get(key)
         if found is None:
-            rows = [
-                [self._cost(o, q, meta, (a, b, *tensor)) for q, b in zip(dsts, dst_ids)] for o, a in zip(srcs, src_ids)
-            ]
-            found = self._matrices[key] = np.array(rows, dtype=float).reshape(len(srcs), len(dsts))
+            found = self._matrices[key] = self._matrix(srcs, dsts, src_ids, dst_ids, meta, tensor)
             found.setflags(write=False)  # shared by every edge with this key
         return found
+
+    def _matrix(
+        self, srcs, dsts, src_ids: list[int], dst_ids: list[int], meta: TensorMeta, tensor: tuple
+    ) -> np.ndarray:
+        """``_cost`` of every pair, with what depends on one side only worked out once per side: a
+        3-D mesh prices ~650 K pairs. Pairs of evenly split sides whose steps are known already
+        (``_steps``' shape-free templates) go straight to their move; the rest take ``_cost``."""
+        shape = tensor[0]
+        even_dst = [not self._is_uneven(b, shape) for b in dst_ids]
+        templates, seconds = self._templates, self._seconds
+        rows = []
+        for o, a in zip(srcs, src_ids):
+            even_src, split, row = not self._is_uneven(a, shape), self._split_of[a], []
+            for q, b, even in zip(dsts, dst_ids, even_dst):
+                template = templates.get((a, b)) if even_src and even else None
+                if template is None:
+                    row.append(self._cost(o, q, meta, (a, b, *tensor)))
+                    continue
+                move = (template[0], split, *tensor)
+                found = seconds.get(move)
+                row.append(self._move_seconds(move, template[1], meta, a) if found is None else found)
+            rows.append(row)
+        return np.array(rows, dtype=float).reshape(len(srcs), len(dsts))
 
     def redistribute_peak_bytes(
         self, src: Placements, dst: Placements, meta: TensorMeta, consumed: bool = False
