@@ -175,12 +175,12 @@ def tiny_model(family: str, dropout: bool = True, device: str = "meta") -> torch
 def plan_family(family: str, shape: tuple[int, ...]) -> tuple[bool, str]:
     """(planned?, the estimated step or the error's first line)."""
     try:
-        model = tiny_model(family)
+        model, call = tiny_model(family), example_call(family)
         io = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # replicated fallbacks: the table is about what plans
-            with AutoParallel(model, fake_mesh(shape), lambda: example_call(family)) as ap:
-                ap.add_input_constraints(dict.fromkeys(example_call(family), io))
+            with AutoParallel(model, fake_mesh(shape), lambda: call) as ap:
+                ap.add_input_constraints(dict.fromkeys(call, io))
                 ap.add_output_constraints([io])
                 ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
                 plan = ap.optimize_placement()

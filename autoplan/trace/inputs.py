@@ -261,6 +261,7 @@ class OutputSpec:
 
     spec: pytree.Spec
     leaves: tuple
+    n_tensors: int  # the tensor slots: the graph's outputs the structure takes
 
     @classmethod
     def of(cls, out: Any) -> OutputSpec:
@@ -268,11 +269,7 @@ class OutputSpec:
         kept = tuple(
             _TENSOR if isinstance(t, torch.Tensor) else t if isinstance(t, (*CONSTANTS, str)) else None for t in flat
         )
-        return cls(spec, kept)
-
-    @property
-    def n_tensors(self) -> int:
-        return sum(leaf is _TENSOR for leaf in self.leaves)
+        return cls(spec, kept, sum(leaf is _TENSOR for leaf in kept))
 
     def build(self, tensors: Sequence) -> Any:
         """The model's return value with ``tensors`` (the graph's outputs) in its tensor slots."""
