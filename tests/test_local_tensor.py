@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan import AutoParallel, ConstraintError
+from autoplan.lower.collectives import is_c10d
 
 RANKS = 8
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
@@ -57,6 +58,21 @@ def test_llama_debug_recompute(option):
     r = _run("llama", FSDP, compiled=False, recompute=[("layers.*", option)])
     check_run(r)
     assert set(r["recompute"].values()) == {option} and r["recomputed_ops"] > 0
+
+
+def test_a_mesh_dim_of_one_rank_runs_no_collective():
+    """On a (2, 1) mesh the TP pins split weights over a mesh dim of one rank: the plan prices no
+    move over it, so the program runs none (a gloo group of one would still copy and sync), and
+    the numerics are single-device's."""
+    mesh = fake_mesh((2, 1), ("dp", "tp"))
+    ref = reference_run("llama", batch_rows=8)
+    plan, lowered, pmod = plan_and_apply(mesh, "llama", LLAMA_TP, batch_rows=8)
+    with LocalTensorMode(2):
+        r = parallel_run(mesh, pmod, ref, False, plain=lambda t: one_value(t, 2))
+    check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+    tp = mesh.get_group("tp").group_name
+    on_tp = [n for g in (lowered.forward, lowered.backward) for n in g.graph.nodes if is_c10d(n) and tp in n.args]
+    assert not on_tp, on_tp
 
 
 def test_llama_debug_keeping_gathered_weights():

@@ -312,7 +312,8 @@ def _redistribute_rank_generic(
     Replicate -> Shard takes the rank's chunk by its coordinate tensor. Gathers and reduce-scatters
     on a non-leading tensor dim run on dim 0 with one re-layout copy (DTensor splits into one chunk
     per rank and concatenates them: ``n`` small kernels, and a quadratic fusion search when compiled).
-    On CPU groups Shard -> Shard is a real all-to-all (DTensor's CPU fallback all-gathers).
+    On CPU groups Shard -> Shard is a real all-to-all (DTensor's CPU fallback all-gathers). A step
+    on a mesh dim of one rank runs nothing, as it is priced (DTensor's own steps skip those too).
     """
     mesh, meta = src.mesh, src.tensor_meta
     current = list(src.placements)
@@ -322,6 +323,9 @@ def _redistribute_rank_generic(
         target = [*current]
         target[i] = after
         n = mesh.size(i)
+        if n == 1:  # one rank holds the whole tensor, whatever the placement says: nothing runs
+            current = target
+            continue
         index = coordinate[i : i + 1]
         if type(after) is Shard and before.is_replicate():
             local = _take_chunk(local, after.dim, n, index)
