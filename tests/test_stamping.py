@@ -7,14 +7,18 @@ import math
 import pytest
 import torch
 from conftest import fake_mesh
-from parallel_run import FSDP, check_run, graph_report, parallel_run, plan_and_apply, reference_run
+from parallel_run import FSDP, check_run, graph_report, one_value, parallel_run, plan_and_apply, reference_run
 from torch import nn
 from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from autoplan import AutoParallel
 from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.trace import stamping
 from autoplan.trace.clustering import find_repeats
 from autoplan.trace.tracing import PATH_KEY, trace_joint
+
+S0 = Shard(0)
 
 
 def _both(model: nn.Module, input_fn, **kw):
@@ -202,3 +206,72 @@ def test_hugging_face_layers_stamped_are_the_traced_graph(family):
     stamped, full = _both(model, lambda: (torch.randint(0, vocab, (2, 16)),))
     assert (stamped.stamped, full.stamped) == (6, 0)
     assert _same(stamped, full)
+
+
+class Counting(nn.Module):
+    """A residual block that counts, in a buffer of its own, the activations it let through."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.register_buffer("passed", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        y = torch.relu(self.lin(x))
+        self.passed.add_((y > 0).sum())
+        return x + y
+
+
+class CountingStack(nn.Module):
+    def __init__(self, n: int = 8, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Counting(dim) for _ in range(n))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_layers_that_write_buffers_are_stamped_functionalized():
+    """Layers that write a buffer go through the functionalizing export; two and three layers are
+    exported, and the two stamped to all are the graph exporting every layer gives, each layer's
+    buffer update an output of its own."""
+    stamped, full = _both(CountingStack(), lambda: (torch.randn(4, 16),), loss_fn=lambda y: y.square().mean())
+    assert (stamped.stamped, full.stamped) == (6, 0)
+    assert _same(stamped, full)
+    assert stamped.written_buffers == full.written_buffers
+    assert sorted(stamped.written_buffers.values()) == [f"blocks.{i}.passed" for i in range(8)]
+
+
+def test_stamped_buffer_writes_run_with_single_device_numerics():
+    """A plan of the stamped graph on 4 simulated ranks, batch split: the loss, every gradient and
+    every layer's count (summed over the ranks' rows) are one device's."""
+    torch.manual_seed(0)
+    ref, batch = CountingStack(), torch.randn(8, 16)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_loss = ref(batch).square().mean()
+    ref_loss.backward()
+    mesh = fake_mesh((4,), ("dp",))
+    with torch.device("meta"):
+        model = CountingStack()
+    with AutoParallel(model, mesh, input_fn=lambda: batch) as ap:
+        ap.add_input_constraints([(S0,)])
+        ap.add_output_constraints([(S0,)])
+        ap.add_node_constraint("blocks.*.lin.weight", (S0,))  # the layers' weights really split
+        pmod = ap.apply_placement(ap.optimize_placement())
+    assert ap.traced.stamped == 6
+    with LocalTensorMode(4):
+        pmod.to_empty(device="cpu")
+        pmod.load_state_dict(state)
+        out = pmod(distribute_tensor(batch, mesh, (S0,)).to_local())
+        loss = DTensor.from_local(out, mesh, (S0,), run_check=False).square().mean()
+        loss.backward()
+        assert torch.allclose(one_value(loss.full_tensor(), 4), ref_loss.detach(), rtol=1e-5)
+        grads = {n: one_value(p.grad.full_tensor(), 4) for n, p in pmod.named_parameters()}
+        counts = [int(one_value(b.passed, 4)) for b in pmod.blocks]
+    assert all(torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-6) for n, p in ref.named_parameters())
+    assert counts == [int(b.passed) for b in ref.blocks] and all(c > 0 for c in counts)

@@ -444,20 +444,26 @@ class _Stamping:
                 self.emit_copy(t, m)
 
     def outputs(self, out: fx.Node, out_labels: list) -> tuple[list, list]:
-        """Layer 1's parameter gradients become every copy's, in parameter order (layer by layer)."""
+        """Layer 1's parameter gradients and the new values of the buffers it writes (a functional
+        graph's ``buffer_update`` outputs) become every copy's, in their order (layer by layer)."""
         old = self.fqn(1)
         labels, values = [], []
-        block = [lab for lab in out_labels if lab[0] == "grad_param" and lab[1].startswith(old)]
+        blocks = {
+            kind: [lab for lab in out_labels if lab[0] == kind and lab[1].startswith(old)]
+            for kind in ("grad_param", "buffer_update")
+        }
+        block_of = {lab: block for block in blocks.values() for lab in block}
         grads = dict(zip(out_labels, out.args[0]))
         for lab in out_labels:
-            if lab in block:
+            if lab in block_of:
+                block = block_of[lab]
                 if lab is not block[0]:
                     continue
                 for m in range(1, self.n_layers):
                     for b in block:
                         g = grads[b]
                         if g is not None and g not in self.member1:
-                            raise StampError(f"the gradient {g.name} of {b[1]} is not made inside its layer")
+                            raise StampError(f"the {b[0]} output {g.name} of {b[1]} is not made inside its layer")
                         labels.append(_relabel(b, old, self.fqn(m)))
                         values.append(None if g is None else self.copies[m][g])
             else:

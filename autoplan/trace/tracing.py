@@ -530,13 +530,18 @@ def _mutating_ops(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _inherit_backward_paths(gm: fx.GraphModule) -> None:
-    """Backward ops carry the autograd sequence number of the forward op they differentiate."""
+    """Backward ops carry the autograd sequence number of the forward op they differentiate. A
+    gradient's accumulation (functorch's export marks it, with whichever sequence number was
+    current) runs when its last addend arrives: it takes the path of the op that made that one."""
     by_seq = {}
     for n in gm.graph.nodes:
         if n.meta.get(PATH_KEY) and "seq_nr" in n.meta:
             by_seq.setdefault(n.meta["seq_nr"], n.meta[PATH_KEY])
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:
-        if not n.meta.get(PATH_KEY) and "seq_nr" in n.meta and n.op != "placeholder":
+        if n.meta.get("is_gradient_acc") and n.all_input_nodes:
+            n.meta[PATH_KEY] = max(n.all_input_nodes, key=position.__getitem__).meta.get(PATH_KEY, "")
+        elif not n.meta.get(PATH_KEY) and "seq_nr" in n.meta and n.op != "placeholder":
             n.meta[PATH_KEY] = by_seq.get(n.meta["seq_nr"], "")
 
 
@@ -551,10 +556,12 @@ def _label_paths(gm: fx.GraphModule) -> None:
     regions.label(gm)
 
 
-def forward_nodes(graph: fx.Graph, n_outputs: int) -> set[fx.Node]:
-    """The forward part of a joint graph: everything its first ``n_outputs`` outputs depend on."""
+def forward_nodes(graph: fx.Graph, n_outputs: int | list[bool]) -> set[fx.Node]:
+    """The forward part of a joint graph: everything its first ``n_outputs`` outputs depend on (or
+    the outputs flagged, given a flag per output)."""
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    stack = [a for a in out.args[0][:n_outputs] if isinstance(a, fx.Node)]
+    flags = n_outputs if isinstance(n_outputs, list) else [i < n_outputs for i in range(len(out.args[0]))]
+    stack = [a for a, forward in zip(out.args[0], flags) if forward and isinstance(a, fx.Node)]
     forward: set[fx.Node] = set()
     while stack:
         n = stack.pop()
@@ -570,12 +577,16 @@ def _mark_phases(gm: fx.GraphModule, n_outputs: int) -> None:
         n.meta[PHASE_KEY] = "forward" if n in forward else "backward"
 
 
+_MUTATES = object()  # ``_trace_repeats``: the layers write tensors in place (export them instead)
+
+
 def _trace_repeats(
     wrapper: _LossWrapper, args: tuple, fake_mode: FakeTensorMode, stack: stamping.Stack, full, flat_out: list
-) -> tuple | None:
+) -> tuple | object | None:
     """The joint graph of ``wrapper`` traced with two layers of ``stack`` and stamped to all of them,
-    or ``None`` where that is not proven to give what tracing every layer gives. ``full`` is the
-    recording of the whole model's forward, ``flat_out`` its outputs."""
+    or ``None`` where that is not proven to give what tracing every layer gives, or ``_MUTATES``
+    where the layers write tensors in place (``_export_repeats`` then stamps the functional
+    graph). ``full`` is the recording of the whole model's forward, ``flat_out`` its outputs."""
     if not stamping.layers_alike(full, len(stack.layers), _PREFIX + stack.path):
         log.debug("layers of %s differ: tracing all of them", stack.path)
         return None
@@ -594,13 +605,42 @@ def _trace_repeats(
             traced[k] = _trace_fast(wrapper, args, fake_mode, flat_out)
         _label_paths(traced[k][0])
         if _mutating_ops(traced[k][0]):
+            return _MUTATES
+    return _stamped(traced, stack, _labels(wrapper, tree_flatten(args)[0], flat_out))
+
+
+def _export_repeats(
+    wrapper: _LossWrapper, args: tuple, stack: stamping.Stack, attention: str, expected: tuple[list, list]
+) -> tuple | None:
+    """``_trace_repeats`` for layers that write tensors in place (a buffer a forward updates): two
+    and three layers exported functionalized, the two stamped to all and checked against the
+    three; ``None`` where that does not give the same graph. ``expected``: the fast path's labels,
+    which the stamped graph's must be, less its buffer updates."""
+    traced = {}
+    for k in (2, 3):
+        try:
+            with stamping.truncated(stack, k), contextlib.ExitStack() as es:
+                _enter_tracing(es, wrapper, attention, f"tracing {k} layers (functionalized)")
+                gm, in_labels, out_labels, _ = export_joint(es, wrapper, args)
+        except Exception as e:  # noqa: BLE001 - the whole model's export then says what fails, and where
+            log.debug("%s does not export with %d layers (%s): exporting all of them", stack.path, k, e)
             return None
+        traced[k] = (gm, in_labels, _drop_empty_outputs(gm, out_labels))
+        _label_paths(gm)
+    return _stamped(traced, stack, expected, ignore=("buffer_update",))
+
+
+def _stamped(traced: dict, stack: stamping.Stack, expected: tuple[list, list], ignore: tuple = ()) -> tuple | None:
+    """The two-layer graph ``traced[2]`` stamped to every layer where stamping it to three gives
+    ``traced[3]`` and the result's labels (less the outputs labelled ``ignore``) are ``expected``."""
     gm2, _, out_labels = traced[2]
-    backward = set(gm2.graph.nodes) - forward_nodes(gm2.graph, sum(1 for lab in out_labels if lab[0] == "output"))
+    forward = [lab[0] in ("output", "buffer_update") for lab in out_labels]  # a functional graph's updates lead
+    backward = set(gm2.graph.nodes) - forward_nodes(gm2.graph, forward)
     try:
         if stamping.same_graph(stamping.stamp(traced[2], 3, stack.path, _PREFIX, backward), traced[3]):
             stamped = stamping.stamp(traced[2], len(stack.layers), stack.path, _PREFIX, backward)
-            if list(stamped[1:]) == list(_labels(wrapper, tree_flatten(args)[0], flat_out)):
+            labels = (stamped[1], [lab for lab in stamped[2] if lab[0] not in ignore])
+            if labels == tuple(map(list, expected)):
                 return stamped
         log.debug("stamping %s to three layers does not give the traced graph: tracing all layers", stack.path)
     except (stamping.StampError, KeyError) as e:  # a KeyError: a copy reads a node no copy made
@@ -635,7 +675,8 @@ def trace_joint(
     ``F.scaled_dot_product_attention`` traces to (see ``autoplan.trace.attention.choose_backend``):
     ``"auto"`` what a CUDA GPU runs, ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``
     (decomposed), or ``"cpu"`` (the host's own choice, on a CPU mesh). With ``repeats``, a deep
-    stack of layers proven identical is traced as two layers and copied (``autoplan.trace.stamping``).
+    stack of layers proven identical is traced as two layers and copied (``autoplan.trace.stamping``),
+    on either path.
     """
     attn.check_option(attention)
     device = torch.device(device)
@@ -651,20 +692,29 @@ def trace_joint(
         watch = functools.partial(stamping.recording, stack) if stack else None
         flat_out, full = _probe(wrapper, args, fake_mode, watch)
         traced = _trace_repeats(wrapper, args, fake_mode, stack, full, flat_out) if stack else None
-        stamped = len(stack.layers) - 2 if traced else 0
+        copied = traced is not None and traced is not _MUTATES  # layers stamped
         if traced is None:
             traced = _trace_fast(wrapper, args, fake_mode, flat_out)
             _label_paths(traced[0])
-    gm, in_labels, out_labels = traced
-    if _mutating_ops(gm):
-        with contextlib.ExitStack() as es:
-            _enter_tracing(es, wrapper, attention, "tracing (functionalized)")
-            gm, in_labels, out_labels, joint = export_joint(es, wrapper, args)
-        out_labels = _drop_empty_outputs(gm, out_labels)
+    if traced is _MUTATES or _mutating_ops(traced[0]):
+        expected = _labels(wrapper, tree_flatten(args)[0], flat_out)
+        traced = _export_repeats(wrapper, args, stack, attention, expected) if traced is _MUTATES else None
+        copied = traced is not None
+        if traced is None:
+            with contextlib.ExitStack() as es:
+                _enter_tracing(es, wrapper, attention, "tracing (functionalized)")
+                gm, in_labels, out_labels, joint = export_joint(es, wrapper, args)
+            traced = (gm, in_labels, _drop_empty_outputs(gm, out_labels))
+        gm, in_labels, out_labels = traced
         written = _buffer_updates_as_outputs(gm, out_labels)
         with fake_mode:
             _merge_tied(gm, in_labels, out_labels, shared)
-        _label_paths(gm)
+        if not copied:
+            _label_paths(gm)
+        for node in gm.graph.nodes:  # a stamped graph's paths are its layers' own; a tied gradient's sum has none
+            node.meta.setdefault(PATH_KEY, "")
+    gm, in_labels, out_labels = traced
+    stamped = len(stack.layers) - 2 if copied else 0
     for check in RUNTIME_CHECKS:
         for node in gm.graph.find_nodes(op="call_function", target=check):
             node.meta.setdefault("val", None)  # no output
