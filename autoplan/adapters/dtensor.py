@@ -151,6 +151,17 @@ def local_tensor(t: DTensor) -> torch.Tensor:
     return t._local_tensor
 
 
+def dtensor_spec(t: DTensor) -> DTensorSpec:
+    """``t``'s placements, mesh and global shape and strides, as one value."""
+    return t._spec
+
+
+def with_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """``local`` as the shard of a DTensor of ``spec`` (a gradient handed back for a DTensor input),
+    made without an autograd node: ``DTensor.from_local`` is one, which a backward needs not."""
+    return DTensor(local, spec, requires_grad=False)
+
+
 def set_local_tensor(t: DTensor, local: torch.Tensor) -> None:
     """Make ``local`` the tensor holding this rank's shard of ``t`` (same shape, dtype and device)."""
     t._local_tensor = local

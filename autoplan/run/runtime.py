@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoplan.adapters.dtensor import local_shape, local_tensor, set_local_tensor
+from autoplan.adapters.dtensor import dtensor_spec, local_shape, local_tensor, set_local_tensor, with_spec
 from autoplan.adapters.fx import boxed
 from autoplan.adapters.local_tensor import (
     mesh_coordinate,
@@ -52,8 +52,15 @@ class Executor:
 
 
 class _PlanFunction(torch.autograd.Function):
+    """The lowered forward and backward as one autograd node. DTensor arguments (the parameters)
+    enter as they are and run on their local shards, and their gradients leave as DTensors of the
+    same spec: one node for all of them, where ``to_local`` would add one per parameter (two
+    Python autograd functions a step each, ~60 us apiece on a CPU)."""
+
     @staticmethod
     def forward(ctx, executor: Executor, *args):
+        ctx.specs = {i: dtensor_spec(a) for i, a in enumerate(args) if isinstance(a, DTensor)}
+        args = [local_tensor(a) if i in ctx.specs else a for i, a in enumerate(args)]
         results = executor.forward(*args)
         outs, saved = results[: executor.n_outputs], results[executor.n_outputs :]
         ctx.executor = executor
@@ -74,7 +81,7 @@ class _PlanFunction(torch.autograd.Function):
             grads = executor.backward(args)
         out: list = [None] * executor.n_args
         for slot, g in zip(executor.grad_slots, grads):
-            out[slot] = g
+            out[slot] = with_spec(g, ctx.specs[slot]) if slot in ctx.specs and g is not None else g
         return (None, *out)
 
 
@@ -127,7 +134,7 @@ class ParallelMixin:
         flat = state.bind(args, kwargs)
         _check_inputs(flat, state)
         params = [
-            p.to_local() if i not in state.padded else _PaddedShard.apply(p, state.padded[i])
+            p if i not in state.padded else _PaddedShard.apply(p, state.padded[i])
             for i, p in enumerate(state.params(self))
         ]
         buffers = [b.to_local() if isinstance(b, DTensor) else b for b in state.buffers(self)]
