@@ -158,7 +158,7 @@ def dtensor_spec(t: DTensor) -> DTensorSpec:
 
 def with_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """``local`` as the shard of a DTensor of ``spec`` (a gradient handed back for a DTensor input),
-    made without an autograd node: ``DTensor.from_local`` is one, which a backward needs not."""
+    made without the autograd node ``DTensor.from_local`` adds, which a backward does not need."""
     return DTensor(local, spec, requires_grad=False)
 
 

@@ -137,9 +137,19 @@ def _measured_peak(run: _Run, local: torch.Tensor, device: str) -> float:
 
 def run_validate(args: argparse.Namespace) -> dict | None:
     """Plan, run and compare (see the module's docstring); rank 0 prints and returns the numbers
-    (written by ``--json``), the other ranks ``None``."""
+    (written by ``--json``), the other ranks ``None``. A process group this call makes is torn down
+    before it returns (a caller's, a test's, outlives it): left to the interpreter's exit, one
+    rank's gloo threads may still be running when a faster rank has gone, and abort the process."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    join_group(device, single=True)
+    owns_group = join_group(device, single=True)
+    try:
+        return _validate(args, device)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _validate(args: argparse.Namespace, device: str) -> dict | None:
     world, rank = dist.get_world_size(), dist.get_rank()
     shape = parse_mesh(args.mesh) if args.mesh else (world,)
     if torch.Size(shape).numel() != world:

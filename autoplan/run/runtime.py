@@ -54,8 +54,8 @@ class Executor:
 class _PlanFunction(torch.autograd.Function):
     """The lowered forward and backward as one autograd node. DTensor arguments (the parameters)
     enter as they are and run on their local shards, and their gradients leave as DTensors of the
-    same spec: one node for all of them, where ``to_local`` would add one per parameter (two
-    Python autograd functions a step each, ~60 us apiece on a CPU)."""
+    same spec: one node for all of them, where ``to_local`` would add two Python autograd
+    functions per parameter and step (its own in the forward, ``from_local``'s in the backward)."""
 
     @staticmethod
     def forward(ctx, executor: Executor, *args):
