@@ -556,12 +556,10 @@ def _label_paths(gm: fx.GraphModule) -> None:
     regions.label(gm)
 
 
-def forward_nodes(graph: fx.Graph, n_outputs: int | list[bool]) -> set[fx.Node]:
-    """The forward part of a joint graph: everything its first ``n_outputs`` outputs depend on (or
-    the outputs flagged, given a flag per output)."""
+def forward_nodes(graph: fx.Graph, n_outputs: int) -> set[fx.Node]:
+    """The forward part of a joint graph: everything its first ``n_outputs`` outputs depend on."""
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    flags = n_outputs if isinstance(n_outputs, list) else [i < n_outputs for i in range(len(out.args[0]))]
-    stack = [a for a, forward in zip(out.args[0], flags) if forward and isinstance(a, fx.Node)]
+    stack = [a for a in out.args[0][:n_outputs] if isinstance(a, fx.Node)]
     forward: set[fx.Node] = set()
     while stack:
         n = stack.pop()
@@ -634,8 +632,9 @@ def _stamped(traced: dict, stack: stamping.Stack, expected: tuple[list, list], i
     """The two-layer graph ``traced[2]`` stamped to every layer where stamping it to three gives
     ``traced[3]`` and the result's labels (less the outputs labelled ``ignore``) are ``expected``."""
     gm2, _, out_labels = traced[2]
-    forward = [lab[0] in ("output", "buffer_update") for lab in out_labels]  # a functional graph's updates lead
-    backward = set(gm2.graph.nodes) - forward_nodes(gm2.graph, forward)
+    # a functional graph's buffer updates come first, then the outputs: all forward values
+    n_forward = sum(1 for lab in out_labels if lab[0] in ("output", "buffer_update"))
+    backward = set(gm2.graph.nodes) - forward_nodes(gm2.graph, n_forward)
     try:
         if stamping.same_graph(stamping.stamp(traced[2], 3, stack.path, _PREFIX, backward), traced[3]):
             stamped = stamping.stamp(traced[2], len(stack.layers), stack.path, _PREFIX, backward)
@@ -697,8 +696,11 @@ def trace_joint(
             traced = _trace_fast(wrapper, args, fake_mode, flat_out)
             _label_paths(traced[0])
     if traced is _MUTATES or _mutating_ops(traced[0]):
-        expected = _labels(wrapper, tree_flatten(args)[0], flat_out)
-        traced = _export_repeats(wrapper, args, stack, attention, expected) if traced is _MUTATES else None
+        if traced is _MUTATES:
+            expected = _labels(wrapper, tree_flatten(args)[0], flat_out)
+            traced = _export_repeats(wrapper, args, stack, attention, expected)
+        else:
+            traced = None
         copied = traced is not None
         if traced is None:
             with contextlib.ExitStack() as es:
@@ -711,8 +713,9 @@ def trace_joint(
             _merge_tied(gm, in_labels, out_labels, shared)
         if not copied:
             _label_paths(gm)
-        for node in gm.graph.nodes:  # a stamped graph's paths are its layers' own; a tied gradient's sum has none
-            node.meta.setdefault(PATH_KEY, "")
+        else:  # a stamped graph's paths are its layers' own; a tied gradient's sum has none
+            for node in gm.graph.nodes:
+                node.meta.setdefault(PATH_KEY, "")
     gm, in_labels, out_labels = traced
     stamped = len(stack.layers) - 2 if copied else 0
     for check in RUNTIME_CHECKS:
