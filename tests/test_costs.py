@@ -235,6 +235,19 @@ def test_gather_on_a_non_leading_dim_pays_a_copy(model):
     assert model.redistribute_collectives((R, Shard(1)), (R, R), m) == (("all_gather", 1),)
 
 
+def test_only_a_moves_collectives_can_hide_under_compute(model):
+    # the copies a move makes are kernels of the rank's own program, in line with its compute
+    m = meta(4096, 14336)
+    leading = model.redistribute_cost((R, Shard(0)), (R, R), m)
+    assert model.hideable_cost((R, Shard(0)), (R, R), m) == leading  # nothing but the all-gather
+    assert model.hideable_cost((R, Shard(1)), (R, R), m) == pytest.approx(leading)  # the re-layout copy stays out
+    assert model.redistribute_cost((R, Shard(1)), (R, R), m) > leading
+    assert model.hideable_cost((R, R), (R, Shard(0)), m) == 0.0  # a local slice
+    pairs = [(R, Shard(0)), (R, Shard(1)), (R, R)]
+    matrix = model.hideable_costs(pairs, [(R, R)], m)[:, 0]
+    assert list(matrix) == [model.hideable_cost(p, (R, R), m) for p in pairs]
+
+
 def test_gather_of_contiguous_blocks_is_a_view(model):
     # sequence-sharded activations with one local batch row: the stacked chunks already are dim 1
     seq_sharded = model.redistribute_cost((R, Shard(1)), (R, R), meta(1, 8192, 4096))

@@ -8,6 +8,7 @@ from conftest import fake_mesh
 from parallel_run import FSDP, MLP_TP, plan_and_apply
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 import autoplan.lower.lowering
 from autoplan.lower.collectives import is_c10d_collective as is_collective
@@ -21,10 +22,15 @@ c10d = torch.ops._c10d_functional
 NOT_CONTIGUOUS = r"_c10d_functional\.\w+\.default\) reads .* not contiguous by construction"
 
 
+# FSDP with the weights stored split on dim 1: gathered cheapest as their transposes' dim 0, read
+# through ``t`` (a weight split on dim 0 is gathered before its ``t`` and reads no transposed shard)
+FSDP_DIM1 = [("*weight", (Shard(1), Shard(1)))]
+
+
 @pytest.fixture(scope="module")
 def fsdp_mlp():
     mesh = fake_mesh((2, 4), ("dp", "tp"))
-    _, lowered, _ = plan_and_apply(mesh, "mlp", FSDP, batch_rows=8)
+    _, lowered, _ = plan_and_apply(mesh, "mlp", FSDP_DIM1, batch_rows=8)
     return mesh, lowered
 
 
@@ -104,8 +110,8 @@ def _without_contiguity_step(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def test_collective_inputs_are_contiguous_at_run_time(fsdp_mlp):
-    """The traced layouts say every collective input is contiguous; at run time an FSDP gather reads
-    a transposed weight shard (``view(t(w))``). torch 2.11's collectives reject that; the
+    """The traced layouts say every collective input is contiguous; at run time an FSDP gather of a
+    weight split on dim 1 reads a transposed weight shard (``view(t(w))``). torch 2.11's collectives reject that; the
     contiguity step copies it, and only it."""
     mesh, lowered = fsdp_mlp
     seen = _runtime_layouts(lowered.joint)

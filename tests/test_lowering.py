@@ -11,6 +11,7 @@ from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.lower.lowering import count_collectives
 
 R, S0 = Replicate(), Shard(0)
+c10d = torch.ops._c10d_functional
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +182,39 @@ def test_a_nested_shards_chunk_of_a_gathered_weight_is_re_gathered():
     assert [n.name for n in saved if n.name not in inputs and n.meta["val"].numel() > 2] == []
     assert any(n.name == w.name for n in saved)  # the shard, from which the backward gathers again
     assert count_collectives(backward_gm)["all_gather"] == 1
+
+
+def _relayouts_of_gathers(gm) -> list:
+    """Permutes of an all-gather's result (through views): the copies that lay gathered chunks out
+    on a non-leading dim."""
+    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    found = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.permute.default:
+            source = n.args[0]
+            while source.op == "call_function" and source.target in views:
+                source = source.args[0]
+            if source.op == "call_function" and source.target is c10d.wait_tensor.default:
+                if source.args[0].target is c10d.all_gather_into_tensor.default:
+                    found.append(n.name)
+    return found
+
+
+def test_weights_are_gathered_before_their_transpose_with_no_relayout_copy():
+    # FSDP on 8 CPU ranks: a weight's forward reads its transpose (mm(x, w.t())). Gathered after the
+    # ``t``, a weight split on dim 0 is gathered on dim 1 of the view, and its chunks are copied into
+    # place; gathered before it, nothing is copied. The planner must see both places.
+    mesh = fake_mesh((8,))
+    cfg = LLAMA3_CONFIGS["small"]
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tokens = lambda: torch.randint(0, cfg.vocab_size, (8, 256))  # noqa: E731
+    with AutoParallel(model, mesh, tokens, device_profile="cpu") as ap:
+        ap.add_input_constraints([(S0,)])
+        ap.add_output_constraints([(S0,)])
+        ap.add_memory_constraint(param_fraction=1 / 8)
+        plan = ap.optimize_placement()
+        ap.apply_placement(plan)
+    weights = [p for f, p in plan.param_placements.items() if f.endswith(("wq.weight", "w1.weight", "w2.weight"))]
+    assert weights and all(p != (R,) for p in weights)  # split, as FSDP splits them
+    assert _relayouts_of_gathers(ap.lowered.forward) == []

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from autoplan.api import AutoParallel
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
 from autoplan.bench.steps import backward_step, kept_bytes
@@ -70,18 +71,11 @@ def _model(args: argparse.Namespace, ndim: int, dp: int) -> tuple[Callable, Call
     return (lambda: named_model(args.model, getattr(torch, args.dtype), args.layers, ndim)[0]), (lambda: tokens)
 
 
-def _prepare(name: str, build, input_fn, mesh, args, device: str) -> _Run:
-    from autoplan import AutoParallel
-
-    ndim = mesh.ndim
-    io = (Shard(0),) + (Replicate(),) * (ndim - 1)
-    profile = args.profile or ("h100" if device == "cuda" else "cpu")
-    with AutoParallel(build(), mesh, input_fn, device_profile=profile, optimizer=TORCH_ADAMW) as ap:
-        ap.add_input_constraints([io])
-        ap.add_output_constraints([io])
-        plan = ap.optimize_placement() if name == "autoplan" else hand_plan(ap, name, ndim)
-        pmod = ap.apply_placement(plan)
-        lowered = ap.lowered
+def _prepare(name: str, ap, device: str) -> _Run:
+    """Plan ``name`` (the ILP's, or a hand plan's pins) on ``ap``'s trace and materialise it."""
+    plan = ap.optimize_placement() if name == "autoplan" else hand_plan(ap, name, ap.mesh.ndim)
+    pmod = ap.apply_placement(plan)
+    lowered = ap.lowered
     pmod.to_empty(device=device)
     torch.manual_seed(0)
     if hasattr(pmod, "init_weights"):
@@ -166,12 +160,16 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
         )
     torch.set_flush_denormal(True)  # a CPU's denormal floats would time arithmetic, not the plan
     runs, refused = [], {}
-    for name in names:
-        try:
-            runs.append(_prepare(name, build, input_fn, mesh, args, device))
-        except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
-            refused[name] = str(e).splitlines()[0]
-    io = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+    io = (Shard(0),) + (Replicate(),) * (len(shape) - 1)  # the batch split over the first mesh dim
+    profile = args.profile or ("h100" if device == "cuda" else "cpu")
+    with AutoParallel(build(), mesh, input_fn, device_profile=profile, optimizer=TORCH_ADAMW) as ap:
+        ap.add_input_constraints([io])
+        ap.add_output_constraints([io])
+        for name in names:  # every plan from the one trace
+            try:
+                runs.append(_prepare(name, ap, device))
+            except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
+                refused[name] = str(e).splitlines()[0]
     local = distribute_tensor(input_fn().to(device), mesh, io).to_local()
     for run in runs:  # warm-up: first calls allocate and build caches
         for free in (False, True):

@@ -133,6 +133,7 @@ class _UnevenMove:
 
 
 _UNKNOWN = object()
+_CANNOT = (math.inf, math.inf)  # a move DTensor cannot run: its seconds and their collectives' part
 
 
 class UnsupportedRedistribution(ValueError):
@@ -153,9 +154,9 @@ class CostModel:
         self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
         self._splits: dict[tuple[int | None, ...], int] = {}  # a number per distinct ``_dims`` entry
         self._split_of: list[int] = []  # per id: its ``_dims`` entry's number
-        self._costs: dict[tuple, float] = {}  # by ``_key``
+        self._costs: dict[tuple, tuple[float, float]] = {}  # by ``_key``: seconds, their collectives' part
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}  # by ``_move``
-        self._seconds: dict[tuple, float] = {}  # by ``_move``
+        self._seconds: dict[tuple, tuple[float, float]] = {}  # by ``_move``: as ``_costs``
         self._step_plans: dict[tuple, tuple[Transfer, ...]] = {}  # by (step, local shapes, contiguous, itemsize)
         self._matrices: dict[tuple, np.ndarray] = {}
         self._local_shapes: dict[tuple, tuple[int, ...]] = {}  # by (shape, tensor dim each mesh dim splits)
@@ -387,9 +388,14 @@ class CostModel:
 
     def redistribute_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
         """Seconds to move ``meta`` from ``src`` to ``dst`` placements; ``math.inf`` if DTensor cannot."""
-        return self._cost(src, dst, meta, self._key(src, dst, meta))
+        return self._cost(src, dst, meta, self._key(src, dst, meta))[0]
 
-    def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> float:
+    def hideable_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
+        """The part of ``redistribute_cost`` that can run under compute: its collectives' seconds
+        (its copies run in line with the rank's compute; ``plan_seconds``)."""
+        return self._cost(src, dst, meta, self._key(src, dst, meta))[1]
+
+    def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple[float, float]:
         found = self._costs.get(key)
         if found is None:
             move, steps = self._move(src, dst, meta, key)
@@ -399,10 +405,13 @@ class CostModel:
             self._costs[key] = found
         return found
 
-    def _move_seconds(self, move: tuple, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int) -> float:
-        """A move's seconds (``math.inf`` where DTensor cannot run it), kept by ``_move``."""
+    def _move_seconds(
+        self, move: tuple, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int
+    ) -> tuple[float, float]:
+        """A move's seconds and its collectives' part (``math.inf`` where DTensor cannot run it),
+        kept by ``_move``."""
         plan = self._plan_of(move, steps, meta, src)
-        found = math.inf if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
+        found = _CANNOT if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
         self._seconds[move] = found
         return found
 
@@ -411,17 +420,26 @@ class CostModel:
     ) -> np.ndarray:
         """``redistribute_cost`` over every pair (a ``Matrix``), cached whole: the same edge groups
         come back in every re-solve, and on a 3-D mesh one holds ~1,500 pairs."""
+        return self._costs_matrix(srcs, dsts, meta, 0)
+
+    def hideable_costs(self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta) -> np.ndarray:
+        """``hideable_cost`` over every pair, as ``redistribute_costs``."""
+        return self._costs_matrix(srcs, dsts, meta, 1)
+
+    def _costs_matrix(
+        self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta, part: int
+    ) -> np.ndarray:
         src_ids, dst_ids = [self._id(o) for o in srcs], [self._id(q) for q in dsts]
         tensor = tensor_key(meta)  # each pair's ``_key`` is (src id, dst id, *tensor)
-        key = (tuple(src_ids), tuple(dst_ids), *tensor)
+        key = (tuple(src_ids), tuple(dst_ids), part, *tensor)
         found = self._matrices.get(key)
         if found is None:
-            found = self._matrices[key] = self._matrix(srcs, dsts, src_ids, dst_ids, meta, tensor)
+            found = self._matrices[key] = self._matrix(srcs, dsts, src_ids, dst_ids, meta, tensor, part)
             found.setflags(write=False)  # shared by every edge with this key
         return found
 
     def _matrix(
-        self, srcs, dsts, src_ids: list[int], dst_ids: list[int], meta: TensorMeta, tensor: tuple
+        self, srcs, dsts, src_ids: list[int], dst_ids: list[int], meta: TensorMeta, tensor: tuple, part: int
     ) -> np.ndarray:
         """``_cost`` of every pair, with what depends on one side only worked out once per side: a
         3-D mesh prices ~650 K pairs. Pairs of evenly split sides whose steps are known already
@@ -435,11 +453,11 @@ class CostModel:
             for q, b, even in zip(dsts, dst_ids, even_dst):
                 template = templates.get((a, b)) if even_src and even else None
                 if template is None:
-                    row.append(self._cost(o, q, meta, (a, b, *tensor)))
+                    row.append(self._cost(o, q, meta, (a, b, *tensor))[part])
                     continue
                 move = (template[0], split, *tensor)
                 found = seconds.get(move)
-                row.append(self._move_seconds(move, template[1], meta, a) if found is None else found)
+                row.append((self._move_seconds(move, template[1], meta, a) if found is None else found)[part])
             rows.append(row)
         return np.array(rows, dtype=float).reshape(len(srcs), len(dsts))
 

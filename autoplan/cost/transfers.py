@@ -151,8 +151,11 @@ def mixed_partials(placements: Placements) -> bool:
     return len({p.reduce_op for p in placements if type(p) not in _NOT_PARTIAL and isinstance(p, Partial)}) > 1
 
 
+_COPIES = frozenset({"local", "relayout"})  # kinds that are one memory-bound copy kernel, no communication
+
+
 def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
-    if transfer.kind in ("local", "relayout"):  # one memory-bound copy kernel: reads and writes its bytes
+    if transfer.kind in _COPIES:  # reads and writes its bytes
         return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
     return collective_seconds(transfer.kind, topology.spans[transfer.mesh_dim], transfer.nbytes, profile)
 
@@ -169,12 +172,18 @@ def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
     }
 
 
-def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict) -> float:
-    """A redistribution's time. Gather pairs that the fusion pass merges are priced as the one
-    collective that runs (over the flattened mesh), plus the local chunk transpose it needs when
-    the outer mesh dim was gathered first. ``memo``: each primitive's seconds by (kind, mesh dim,
-    bytes), kept by the caller for this topology and profile (a 3-D mesh's moves price ~300 K
-    primitives, a few thousand distinct)."""
+def plan_seconds(
+    transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict
+) -> tuple[float, float]:
+    """A redistribution's time, and the part of it its collectives take. Gather pairs that the
+    fusion pass merges are priced as the one collective that runs (over the flattened mesh), plus
+    the local chunk transpose it needs when the outer mesh dim was gathered first. ``memo``: each
+    primitive's seconds by (kind, mesh dim, bytes), kept by the caller for this topology and
+    profile (a 3-D mesh's moves price ~300 K primitives, a few thousand distinct).
+
+    Only the collectives can run beside compute (on their own stream, or gloo's threads); the
+    copies (re-layouts, chunk picks) are kernels of the rank's own program, in line with its
+    compute, so they never hide (``autoplan.cost.overlap``)."""
 
     def seconds(t: Transfer) -> float:
         key = (t.kind, t.mesh_dim, t.nbytes)
@@ -184,15 +193,18 @@ def plan_seconds(transfers: Sequence[Transfer], topology: MeshTopology, profile:
         return found
 
     fused = fused_gather_pairs(transfers, len(topology.shape))
-    total, skip = 0.0, False
+    copies = collectives = 0.0
+    skip = False
     for i, t in enumerate(transfers):
         if skip:
             skip = False
         elif i in fused:
-            total += collective_seconds("all_gather", topology.flat, transfers[i + 1].nbytes, profile)
+            collectives += collective_seconds("all_gather", topology.flat, transfers[i + 1].nbytes, profile)
             if t.mesh_dim < transfers[i + 1].mesh_dim:
-                total += seconds(Transfer("relayout", 0, transfers[i + 1].made))
+                copies += seconds(Transfer("relayout", 0, transfers[i + 1].made))
             skip = True
+        elif t.kind in _COPIES:
+            copies += seconds(t)
         else:
-            total += seconds(t)
-    return total
+            collectives += seconds(t)
+    return copies + collectives, collectives

@@ -115,7 +115,7 @@ def evaluate(
         redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase, nbytes))
         totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
         if e.segment is not None:
-            seg_comm[e.segment] += seconds
+            seg_comm[e.segment] += cost_model.hideable_cost(src, dst, e.meta)
     hidden = overlap.hidden_seconds(budget, seg_comm)
     return Evaluation(nodes, redistributions, CostBreakdown(**totals, hidden_comm=hidden, ideal_compute=ideal))
 
@@ -187,7 +187,7 @@ def _local_view(
             touching[e.dst].append((e, seg, metas[e.value]))
         src, dst = e.ends(chosen.__getitem__)
         if seg is not None and src != dst:
-            hideable[seg] += cost_model.redistribute_cost(src, dst, metas[e.value])
+            hideable[seg] += cost_model.hideable_cost(src, dst, metas[e.value])
     return _LocalView(chosen, cost_model, touching, hideable, budget)
 
 
@@ -214,10 +214,10 @@ def _priced(
     at once: one cost row per move)."""
     cost_model = view.cost_model
     candidates = (s0, *opts)
-    seconds = _seconds_of(view, n, candidates)
+    seconds = _seconds_of(view, n, candidates, cost_model.redistribute_costs)
     compute = np.r_[cost_model.op_seconds(n, s0), cost_model.strategy_seconds(n, opts)]
     comm = seconds.sum(axis=0)
-    step = compute + _step_seconds(view, n, seconds)
+    step = compute + comm - _hidden(view, n, _seconds_of(view, n, candidates, cost_model.hideable_costs))
     priced = []
     for i in np.argsort(step[1:], kind="stable") + 1:
         if len(priced) == keep or not np.isfinite(step[i]):
@@ -229,31 +229,34 @@ def _priced(
     return float(comm[0]), tuple(priced)
 
 
-def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...]) -> np.ndarray:
-    """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as chosen."""
+def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...], price) -> np.ndarray:
+    """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as
+    chosen, by ``price`` (``CostModel.redistribute_costs`` or its hideable part)."""
     chosen, cost_model = view.chosen, view.cost_model
     rows = []
     for e, _, meta in view.touching[n]:
         src, dst = e.ends(chosen.__getitem__)
         if e.src is n:
             ends, other = [s.outputs[e.k] for s in candidates], dst
-            row = cost_model.redistribute_costs(ends, [dst], meta)[:, 0]
+            row = price(ends, [dst], meta)[:, 0]
         else:
             ends, other = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates], src
-            row = cost_model.redistribute_costs([src], ends, meta)[0]
+            row = price([src], ends, meta)[0]
         # no move where the ends agree (as ``evaluate`` prices it), even one DTensor would refuse
         rows.append(np.where(cost_model.numbers(ends) == cost_model.numbers([other])[0], 0.0, row))
     return np.array(rows).reshape(len(rows), len(candidates))
 
 
-def _step_seconds(view: _LocalView, n: fx.Node, seconds: np.ndarray) -> np.ndarray:
-    """Per candidate, its moves' exposed seconds plus what each segment they hide under spills
-    over its budget, the other nodes' hideable moves kept (column 0: the chosen strategy)."""
+def _hidden(view: _LocalView, n: fx.Node, hideable: np.ndarray) -> np.ndarray:
+    """Per candidate, the seconds of its moves' ``hideable`` parts (rows, as ``_seconds_of``) that
+    run under their segments' compute, the other nodes' hideable moves kept (column 0: the chosen
+    strategy)."""
     segments = [seg for _, seg, _ in view.touching[n]]
-    out = seconds[[seg is None for seg in segments]].sum(axis=0)
+    out = np.zeros(hideable.shape[1])
     for seg in dict.fromkeys(s for s in segments if s is not None):
-        mine = seconds[[s == seg for s in segments]].sum(axis=0)
-        out += np.maximum(view.hideable[seg] - mine[0] + mine - view.budget.get(seg, 0.0), 0.0)
+        mine = hideable[[s == seg for s in segments]].sum(axis=0)
+        load = view.hideable[seg] - mine[0] + mine
+        out += np.minimum(load, view.budget.get(seg, 0.0))
     return out
 
 

@@ -248,10 +248,13 @@ def _producer_reps(inputs: list[tuple], clustering: Clustering) -> dict[fx.Node,
 
 
 def _single_use_view(v: fx.Node) -> bool:
-    """A view read exactly once: redistributing before it costs what redistributing after it would.
+    """A view read exactly once that keeps its input's layout: redistributing before it costs what
+    redistributing after it would.
 
     A view with several readers is a place where one redistribution can serve them all, so it keeps
-    its own decision.
+    its own decision. So does a transpose of a contiguous tensor (a weight's ``t``): a collective
+    before it moves a contiguous tensor, after it a strided one, and the two differ by re-layout
+    copies (gathering a weight split on dim 0 before its ``t`` copies nothing).
     """
     if not is_free(v) or v.op != "call_function" or v.target is operator.getitem:
         return False
@@ -262,7 +265,17 @@ def _single_use_view(v: fx.Node) -> bool:
         and user.op == "call_function"
         and len(tensor_inputs(user)) >= 1
         and sum(a is v for a in tensor_inputs(user)) == 1
+        and _keeps_layout(v)
     )
+
+
+def _keeps_layout(v: fx.Node) -> bool:
+    """Whether view ``v`` is contiguous exactly where its (first tensor) input is, as traced."""
+    source = next(iter(tensor_inputs(v)), None)
+    out, into = v.meta.get("val"), getattr(source, "meta", {}).get("val")
+    if not isinstance(out, torch.Tensor) or not isinstance(into, torch.Tensor):
+        return True
+    return out.is_contiguous() == into.is_contiguous()
 
 
 def merge_followers(
@@ -410,8 +423,9 @@ def build_problem(
         edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)
         cost = edge.cost * mult
         name = shared.hiding.segment_of(ur, cr, slot == "out")
-        if name is not None:
-            hideable.append((name, dataclasses.replace(edge, cost=cost)))
+        if name is not None:  # only its collectives hide: its copies run in line with compute
+            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, tensor_meta(output_vals(ur)[k]))
+            hideable.append((name, dataclasses.replace(edge, cost=seconds * mult)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)
         elif edge.key in groups:
