@@ -11,15 +11,19 @@ import torch.distributed as dist
 from conftest import fake_mesh
 from gloo import run_gloo
 from models import MLP
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel
+from autoplan.adapters.dtensor import tensor_meta
 from autoplan.bench.validate import kendall_tau
 from autoplan.cli import main
-from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_link
+from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_factors, fit_link
+from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import CPU_GLOO, profile_from_json, profile_to_json, resolve_profile
 from autoplan.cost.network import flat_collective_seconds
 from autoplan.errors import ConstraintError
+
+R, P = Replicate(), Partial()
 
 
 def _plan(profile, inputs=None):
@@ -40,7 +44,7 @@ def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, c
     printed = capsys.readouterr().out
     assert "matmul float32" in printed and f"wrote {out}" in printed
     doc = json.loads(out.read_text())
-    assert doc["format"] == "autoplan-device-profile" and doc["version"] == 2 and doc["measured"]["attention"]
+    assert doc["format"] == "autoplan-device-profile" and doc["version"] == 3 and doc["measured"]["attention"]
     profile = profile_from_json(out)
     assert profile.name.startswith("calibrated cpu") and profile.compute_efficiency == 1.0
     for dtype in (torch.float32, torch.bfloat16):  # one curve per dtype measured
@@ -108,7 +112,7 @@ def test_a_profile_file_that_is_not_one_is_refused_by_name(tmp_path):
     with pytest.raises(ConstraintError, match="not an autoplan device profile"):
         resolve_profile(str(bad))
     newer = tmp_path / "newer.json"
-    newer.write_text(profile_to_json(CPU_GLOO).replace('"version": 2', '"version": 99'))
+    newer.write_text(profile_to_json(CPU_GLOO).replace('"version": 3', '"version": 99'))
     with pytest.raises(ConstraintError, match="version 99"):
         resolve_profile(str(newer))
     bad_kind = tmp_path / "bad_kind.json"
@@ -152,6 +156,32 @@ def test_the_link_fit_recovers_latency_and_bandwidth_from_the_cost_models_own_ti
     ]
     latency, bandwidth = fit_link(rows)
     assert latency == pytest.approx(40e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+
+
+def test_a_kind_the_backend_runs_slower_gets_its_factor_and_prices_that_much_slower():
+    # a backend whose reduce-scatter reduces the whole tensor (gloo's): 2.5x the ring's time
+    truth = {"all_gather": 1.0, "reduce_scatter": 2.5, "all_to_all": 1.0}
+    rows = [
+        (kind, n, nbytes, truth[kind] * flat_collective_seconds(kind, n, nbytes, 2e9, 40e-6))
+        for kind in truth
+        for n in (2, 4)
+        for nbytes in (2**12, 2**20, 2**23)
+    ]
+    latency, bandwidth = fit_link([r for r in rows if r[0] != "reduce_scatter"])
+    factors = dict(fit_factors(rows, latency, bandwidth))
+    assert factors == pytest.approx(truth, rel=1e-6)
+    profile = dataclasses.replace(
+        CPU_GLOO, intra_node_latency=latency, intra_node_bandwidth=bandwidth, bandwidth_efficiency=1.0
+    )
+    slow = dataclasses.replace(profile, collective_factor=tuple(factors.items()))
+    mesh = fake_mesh((4,))
+    m = tensor_meta(torch.empty(1024, 1024, device="meta"))
+    plain, measured = CostModel(mesh, profile), CostModel(mesh, slow)
+    scatter, gather = ((P,), (Shard(0),)), ((Shard(0),), (R,))
+    assert measured.redistribute_cost(*scatter, m) == pytest.approx(2.5 * plain.redistribute_cost(*scatter, m))
+    assert measured.redistribute_cost(*gather, m) == pytest.approx(plain.redistribute_cost(*gather, m))
+    with pytest.raises(ValueError, match="collective_factor"):
+        dataclasses.replace(CPU_GLOO, collective_factor=(("broadcast", 2.0),))
 
 
 def _calibrate_rank(rank: int):

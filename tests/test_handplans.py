@@ -40,7 +40,7 @@ def test_the_ilp_plan_is_no_worse_than_any_hand_plan(size):
 
 
 def test_hand_plans_by_mesh():
-    assert hand_plans(1) == ("ddp", "fsdp")
+    assert hand_plans(1) == ("ddp", "fsdp", "tp")
     assert hand_plan_pins("fsdp", 2) == [("*.weight", (S0, S0))]
     with pytest.raises(ValueError, match="no hand plan 'hsdp' on a 1-D mesh"):
         hand_plan_pins("hsdp", 1)

@@ -4,6 +4,7 @@ parameter and module names), so the ILP's plan can be priced against them under 
 - ``ddp``: every parameter replicated; gradients all-reduced.
 - ``fsdp``: ZeRO-3, every parameter's dim 0 split over the whole mesh.
 - ``hsdp``: split inside the last mesh dim (a node), replicated across the others.
+- ``tp``: on a 1-D mesh, tensor parallelism alone (``fsdp+tp`` with no FSDP dims): Megatron's plan.
 - ``fsdp+tp``: torchtitan's 2-D plan: the last mesh dim is tensor parallel (column-wise wq/wk/wv/w1/w3
   and output, row-wise wo/w2 and the embedding), the others FSDP. Where the norms run (sequence
   parallel or replicated) is left to the ILP: a norm's output is not a pinnable module output here.
@@ -49,9 +50,9 @@ OPTIONAL_PARTS = ("dense_layers.", "layers.*.feed_forward.shared.")
 
 
 def hand_plans(ndim: int, moe: bool = False) -> tuple[str, ...]:
-    """The hand plans a mesh of ``ndim`` dims can express (HSDP and TP need a second dim), with the
-    expert-parallel ones for a mixture of experts."""
-    plans = ("ddp", "fsdp") if ndim == 1 else ("ddp", "fsdp", "hsdp", "fsdp+tp")
+    """The hand plans a mesh of ``ndim`` dims can express (HSDP and FSDP with TP need a second dim),
+    with the expert-parallel ones for a mixture of experts."""
+    plans = ("ddp", "fsdp", "tp") if ndim == 1 else ("ddp", "fsdp", "hsdp", "fsdp+tp")
     if moe:
         plans += ("fsdp+ep",) if ndim == 1 else ("fsdp+ep", "ep+tp")
     return plans

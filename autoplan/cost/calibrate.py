@@ -15,7 +15,9 @@ at hand. ``calibrate`` times this host's device instead:
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
   all-to-all at several sizes on the real backend, fitted to the cost model's own alpha-beta
   formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link,
-  and how much of a matmul loop's time an all-reduce issued beside it runs under (``comm_overlap``).
+  then per kind the factor by which the backend runs slower than that (``collective_factor``:
+  gloo's reduce-scatter reduces the whole tensor, no ring), and how much of a matmul loop's time
+  an all-reduce issued beside it runs under (``comm_overlap``).
 Dtypes not measured keep their datasheet rate scaled like the first measured one; links not measured
 keep theirs.
 
@@ -241,6 +243,16 @@ def fit_link(rows: list) -> tuple[float, float]:
     return max(float(alpha), 1e-7), 1.0 / max(float(inv_beta), 1e-13)
 
 
+def fit_factors(rows: list, latency: float, bandwidth: float) -> tuple[tuple[str, float], ...]:
+    """Per collective kind in ``rows`` (kind, n, bytes, seconds): the factor ``f`` by which the
+    backend runs it slower than the cost model's formula on the fitted link, by least squares on
+    relative error (``f * model / measured`` nearest 1 over the kind's sizes)."""
+    ratios: dict[str, list[float]] = {}
+    for kind, n, nbytes, s in rows:
+        ratios.setdefault(kind, []).append(flat_collective_seconds(kind, n, float(nbytes), bandwidth, latency) / s)
+    return tuple((kind, sum(r) / sum(x * x for x in r)) for kind, r in ratios.items())
+
+
 def efficiency_curve(rows: list, peak: float | None = None) -> tuple[float, tuple[tuple[float, float], ...]]:
     """(peak FLOP/s: ``peak``, or the fastest size, ``[(FLOPs, fraction of the peak)]`` per size,
     in increasing FLOPs; a fraction over the peak counts as the peak)."""
@@ -299,7 +311,11 @@ def calibrate(
     if world > 1 and dist.get_backend(group) != "fake":  # a planning host's fake group moves nothing
         rows = measure_collectives(group, device, opts, say)
         latency, link = fit_link(rows)
-        say(f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s")
+        factors = fit_factors(rows, latency, link)
+        say(
+            f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s; against it, "
+            + ", ".join(f"{kind} x{f:.2f}" for kind, f in factors)
+        )
         overlap = measure_overlap(group, device, opts, say)
         profile = dataclasses.replace(
             profile,
@@ -308,10 +324,11 @@ def calibrate(
             gpus_per_node=max(world, profile.gpus_per_node) if device.type == "cpu" else profile.gpus_per_node,
             nvls=False,
             comm_overlap=overlap,
+            collective_factor=factors,
         )
         measured["collectives"] = rows
         measured["comm_overlap"] = overlap
-        measured["link_fit"] = {"latency_s": latency, "bandwidth_bytes_per_s": link}
+        measured["link_fit"] = {"latency_s": latency, "bandwidth_bytes_per_s": link, "factors": dict(factors)}
     return profile, measured
 
 

@@ -51,6 +51,10 @@ class DeviceProfile:
     # their own stream or engine (NCCL); measured by ``autoplan calibrate`` where they compete with
     # compute for the same cores (gloo's threads on a small CPU)
     comm_overlap: float = 1.0
+    # measured (``autoplan calibrate``): per collective kind, its time on the backend over the
+    # alpha-beta model's at the fitted link (gloo's reduce-scatter, say, is no ring); a kind not
+    # listed runs as the model says
+    collective_factor: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for (kind, dtype), points in self._curves.items():
@@ -65,6 +69,15 @@ class DeviceProfile:
                 )
         if not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"profile {self.name!r}: comm_overlap is a fraction in [0, 1], got {self.comm_overlap}")
+        if any(kind not in COLLECTIVE_KINDS or not f > 0 for kind, f in self.collective_factor):
+            raise ValueError(
+                f"profile {self.name!r}: collective_factor takes (kind in {COLLECTIVE_KINDS}, factor > 0) pairs,"
+                f" got {self.collective_factor}"
+            )
+
+    def factor_for(self, kind: str) -> float:
+        """How much slower than the alpha-beta model a ``kind`` collective runs (``collective_factor``)."""
+        return dict(self.collective_factor).get(kind, 1.0)
 
     @functools.cached_property
     def _curves(self) -> dict[tuple[str, str], tuple[tuple[float, float], ...]]:
@@ -139,6 +152,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 KERNEL_KINDS = ("matmul", "attention")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 # NVIDIA H100 SXM5 80GB. Source: NVIDIA H100 Tensor Core GPU datasheet (dense figures are half the
@@ -255,7 +269,8 @@ DEVICE_PROFILES = {
 
 
 PROFILE_FORMAT = "autoplan-device-profile"
-PROFILE_VERSION = 2  # 2: kernel_efficiency per kind and dtype (1 had one matmul curve for every dtype)
+# 2: kernel_efficiency per kind and dtype (1 had one matmul curve for every dtype); 3: collective_factor
+PROFILE_VERSION = 3
 
 
 def profile_to_json(profile: DeviceProfile, measured: dict | None = None) -> str:
@@ -271,7 +286,7 @@ def profile_from_json(path: str | Path) -> DeviceProfile:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ConstraintError(f"{path}: not an autoplan device profile (no 'format': {PROFILE_FORMAT!r})")
-    if data.get("version") not in (1, PROFILE_VERSION):
+    if data.get("version") not in range(1, PROFILE_VERSION + 1):
         raise ConstraintError(
             f"{path}: device profile version {data.get('version')}; this autoplan reads versions 1 to {PROFILE_VERSION}"
         )
@@ -288,7 +303,7 @@ def profile_from_json(path: str | Path) -> DeviceProfile:
     if unknown or missing:
         raise ConstraintError(f"{path}: device profile fields unknown {unknown}, missing {missing}")
     fields = dict(fields)
-    for key in ("peak_flops", "kernel_efficiency"):
+    for key in ("peak_flops", "kernel_efficiency", "collective_factor"):
         fields[key] = tuple(tuple(row) for row in fields.get(key, ()))
     try:
         return DeviceProfile(**fields)

@@ -96,10 +96,15 @@ def collective_seconds(kind: CollectiveKind, span: GroupSpan, nbytes: float, pro
     Inside one node it runs on NVLink; with one rank per node, on the network. A group with
     several ranks on each of several nodes runs hierarchically, as NCCL's multi-NIC rings and trees
     effectively do: the network phase runs between ranks of equal local index, each on its own NIC
-    with 1/per_node of the bytes, and the NVLink phase inside each node.
+    with 1/per_node of the bytes, and the NVLink phase inside each node. A backend that runs a kind
+    slower than this (measured: ``DeviceProfile.collective_factor``) takes that much longer.
     """
     if span.size == 1:
         return 0.0
+    return _alpha_beta_seconds(kind, span, nbytes, profile) * profile.factor_for(kind)
+
+
+def _alpha_beta_seconds(kind: CollectiveKind, span: GroupSpan, nbytes: float, profile: DeviceProfile) -> float:
     nvlink = (profile.link_bandwidth(LinkKind.INTRA_NODE), profile.link_latency(LinkKind.INTRA_NODE))
     network = (profile.link_bandwidth(LinkKind.INTER_NODE), profile.link_latency(LinkKind.INTER_NODE))
     if span.nodes == 1:
