@@ -59,6 +59,19 @@ def test_graphs_have_local_shapes(lowered_llama):
             assert torch.Size(local).numel() < torch.Size(glob).numel()
 
 
+def test_lowered_graphs_call_no_op_that_only_renames(lowered_llama):
+    # each op the per-rank program calls costs a dispatch: a view to its input's own shape, a detach
+    # and a transpose transposed back change nothing and are not called
+    _, lowered, _, _ = lowered_llama
+    aten = torch.ops.aten
+    renames = (aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.detach.default)
+    for gm in (lowered.forward, lowered.backward):
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        assert not [n.name for n in calls if n.target in renames and n.meta["val"].shape == n.args[0].meta["val"].shape]
+        assert not [n.name for n in calls if n.target is aten.t.default and n.args[0].target is aten.t.default]
+        assert any(n.target is aten.t.default for n in calls)
+
+
 def test_parallel_module_keeps_fqns_and_dtensor_params(lowered_llama):
     plan, _, pmod, _ = lowered_llama
     from torch.distributed.tensor import DTensor

@@ -503,20 +503,29 @@ class _Stitcher:
         return self.graph
 
 
+_RENAMES = (aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.detach.default)
+
+
 def _drop_identity_views(graph: fx.Graph) -> int:
-    """Remove ``view``/``alias`` ops that keep shape and strides (left by wrapping and unwrapping
-    DTensors at segment borders); in a functional graph they are pure renames."""
+    """Remove views that keep the shape (left by wrapping and unwrapping DTensors at segment
+    borders, and by the traced program's own no-op reshapes): a view to its input's own shape has
+    its input's strides too, whatever they are at run time, so in a functional graph run without
+    autograd (as the plan's function runs it) it is a pure rename, and so is a ``t`` of a ``t``.
+    Each one dropped is an op call less per step (~470 per step of a 4-layer LLaMA). The recorded
+    strides are not compared: a segment traced from fresh contiguous fakes may record a transposed
+    input as contiguous."""
     dropped = 0
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target in (aten.view.default, aten.alias.default):
+        if n.op != "call_function":
+            continue
+        if n.target is aten.t.default and getattr(n.args[0], "target", None) is aten.t.default:
+            n.replace_all_uses_with(n.args[0].args[0])  # a transpose transposed back: the tensor itself
+            graph.erase_node(n)
+            dropped += 1
+        elif n.target in _RENAMES:
             src = n.args[0]
             a, b = src.meta.get("val"), n.meta.get("val")
-            if (
-                isinstance(a, torch.Tensor)
-                and isinstance(b, torch.Tensor)
-                and a.shape == b.shape
-                and a.stride() == b.stride()
-            ):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
                 n.replace_all_uses_with(src)
                 graph.erase_node(n)
                 dropped += 1

@@ -4,9 +4,10 @@ device under torch 2.11) reject a non-contiguous input.
 The lowered graph's recorded layouts cannot be trusted for this: each segment is traced from fresh
 (contiguous) local fakes, so a value whose producer returns a transposed view at run time (``t`` of a
 weight shard, then an identity ``view``) is recorded as contiguous. Instead, a collective reads either
-a value that is contiguous whatever its inputs were (a collective's own result, an explicit contiguous
-copy, or a contiguity-keeping view of one), or an inserted ``aten.contiguous``, which costs nothing at
-run time when its input already is contiguous and copies when it is not.
+a value that is contiguous whatever its inputs were (a collective's own result, an explicit
+contiguous copy, a matmul's result, or a contiguity-keeping view of one), or an inserted
+``aten.contiguous``, which costs nothing at run time when its input already is contiguous and copies
+when it is not.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ _KEEPS_CONTIGUITY = {
 }
 
 
+# Ops whose result is always a new row-major tensor, whatever their inputs' layouts.
+_FRESH_CONTIGUOUS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+
+
 @dataclass(frozen=True)
 class ContiguityStats:
     inserted: int  # collective inputs routed through an inserted ``aten.contiguous``
@@ -55,6 +60,8 @@ def contiguous_by_construction(node: fx.Node) -> bool:
         return _asks_contiguous(node)
     if node.target is aten.clone.default:
         return "memory_format" in node.kwargs and _asks_contiguous(node)
+    if node.target in _FRESH_CONTIGUOUS:
+        return True
     if node.target is c10d.wait_tensor.default:
         return isinstance(node.args[0], fx.Node) and is_c10d_collective(node.args[0])
     return False
