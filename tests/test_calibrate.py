@@ -17,9 +17,9 @@ from autoplan import AutoParallel
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.bench.validate import kendall_tau
 from autoplan.cli import main
-from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_factors, fit_link
+from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_kinds, fit_link
 from autoplan.cost.costs import CostModel
-from autoplan.cost.devices import CPU_GLOO, profile_from_json, profile_to_json, resolve_profile
+from autoplan.cost.devices import CPU_GLOO, profile_from_json, profile_to_json, resolve_profile, thinness
 from autoplan.cost.network import flat_collective_seconds
 from autoplan.errors import ConstraintError
 
@@ -52,6 +52,7 @@ def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, c
         assert len(curve) == 4 and max(f for _, f in curve) == 1.0 and all(0 < f <= 1 for _, f in curve)
         assert profile.efficiency_at(curve[0][0], dtype) == curve[0][1]
         assert profile.efficiency_at(1e30, dtype) == curve[-1][1]
+        assert [t for t, _ in profile.curves_for("matmul", dtype)] == [1.0, 1.667]  # square and thin
         attention = profile.curve_for("attention", dtype)
         assert len(attention) == 2 and all(0 < f <= 1 for _, f in attention)
     assert profile.curve_for("matmul", torch.float32) != profile.curve_for("matmul", torch.bfloat16)
@@ -140,6 +141,33 @@ def test_a_version_1_profile_loads_with_its_one_curve_for_every_dtype(tmp_path):
         assert profile.efficiency_at(1e6, dtype, "attention") == 0.25 * CPU_GLOO.compute_efficiency
 
 
+def test_a_thin_matmul_is_priced_on_the_thin_curve():
+    # the thinness of a shape does not depend on its size; a square matmul's is 1
+    assert thinness(2 * 512**3, 4 * 3 * 512**2, 4) == pytest.approx(1.0)
+    for n in (64, 1024):
+        m, k = n // 8, n
+        assert thinness(2 * m * k * n, 4 * (m * k + k * n + m * n), 4) == pytest.approx(5 / 3)
+    rows = (("matmul", "float32", 1e6, 0.5, 1.0), ("matmul", "float32", 1e9, 1.0, 1.0))
+    rows += (("matmul", "float32", 1e6, 0.25, 2.0), ("matmul", "float32", 1e9, 0.5, 2.0))
+    profile = dataclasses.replace(CPU_GLOO, kernel_efficiency=rows, compute_efficiency=1.0)
+    assert profile.curve_for("matmul", torch.float32) == ((1e6, 0.5), (1e9, 1.0))  # the square one
+    assert profile.efficiency_at(1e9, torch.float32, thinness=1.0) == 1.0
+    assert profile.efficiency_at(1e9, torch.float32, thinness=2.0) == 0.5
+    assert profile.efficiency_at(1e9, torch.float32, thinness=9.0) == 0.5  # flat past the thinnest
+    assert profile.efficiency_at(1e9, torch.float32, thinness=2**0.5) == pytest.approx(0.75)  # halfway in log
+    # the cost model prices an (n/8, n, n) matmul of the same FLOPs slower than a square one
+    model = CostModel(fake_mesh((4,)), profile)
+    flops = 2 * 256**3
+    square = model.compute_cost(flops, [(tensor_meta(torch.empty(256, 256, device="meta")), (R,))] * 2, [])
+    n = 512
+    thin_in = [
+        (tensor_meta(torch.empty(n // 8, n, device="meta")), (R,)),
+        (tensor_meta(torch.empty(n, n, device="meta")), (R,)),
+    ]
+    thin = model.compute_cost(flops, thin_in, [(tensor_meta(torch.empty(n // 8, n, device="meta")), (R,))])
+    assert thin > square
+
+
 def test_the_link_fit_recovers_latency_and_bandwidth_from_the_cost_models_own_times():
     rows = [
         (
@@ -158,30 +186,38 @@ def test_the_link_fit_recovers_latency_and_bandwidth_from_the_cost_models_own_ti
     assert latency == pytest.approx(40e-6, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
 
 
-def test_a_kind_the_backend_runs_slower_gets_its_factor_and_prices_that_much_slower():
-    # a backend whose reduce-scatter reduces the whole tensor (gloo's): 2.5x the ring's time
-    truth = {"all_gather": 1.0, "reduce_scatter": 2.5, "all_to_all": 1.0}
+def test_each_kind_fits_its_own_link_and_is_priced_on_it():
+    # a backend whose reduce-scatter reduces the whole tensor (gloo's): 2.5x the ring's bytes, and
+    # whose all-reduce pays 1 ms per step
+    link = {"all_gather": (40e-6, 2e9), "reduce_scatter": (40e-6, 0.8e9), "all_to_all": (40e-6, 2e9)}
+    link["all_reduce"] = (1e-3, 2e9)
     rows = [
-        (kind, n, nbytes, truth[kind] * flat_collective_seconds(kind, n, nbytes, 2e9, 40e-6))
-        for kind in truth
+        (kind, n, nbytes, flat_collective_seconds(kind, n, nbytes, bw, lat) if kind != "all_reduce" else 0.0)
+        for kind, (lat, bw) in link.items()
         for n in (2, 4)
         for nbytes in (2**12, 2**20, 2**23)
     ]
-    latency, bandwidth = fit_link([r for r in rows if r[0] != "reduce_scatter"])
-    factors = dict(fit_factors(rows, latency, bandwidth))
-    assert factors == pytest.approx(truth, rel=1e-6)
+    rows = [  # the all-reduce measured as a ring
+        (k, n, b, s or 2 * (n - 1) * link[k][0] + 2 * (n - 1) / n * b / link[k][1]) for k, n, b, s in rows
+    ]
+    kinds = {kind: (lat, bw) for kind, lat, bw in fit_kinds(rows)}
+    for kind, (lat, bw) in link.items():
+        assert kinds[kind] == pytest.approx((lat, bw), rel=1e-6)
     profile = dataclasses.replace(
-        CPU_GLOO, intra_node_latency=latency, intra_node_bandwidth=bandwidth, bandwidth_efficiency=1.0
+        CPU_GLOO, intra_node_latency=40e-6, intra_node_bandwidth=2e9, bandwidth_efficiency=1.0
     )
-    slow = dataclasses.replace(profile, collective_factor=tuple(factors.items()))
+    fitted = dataclasses.replace(profile, collective_links=tuple((k, *v) for k, v in kinds.items()))
     mesh = fake_mesh((4,))
     m = tensor_meta(torch.empty(1024, 1024, device="meta"))
-    plain, measured = CostModel(mesh, profile), CostModel(mesh, slow)
+    plain, measured = CostModel(mesh, profile), CostModel(mesh, fitted)
     scatter, gather = ((P,), (Shard(0),)), ((Shard(0),), (R,))
-    assert measured.redistribute_cost(*scatter, m) == pytest.approx(2.5 * plain.redistribute_cost(*scatter, m))
+    assert measured.redistribute_cost(*scatter, m) == pytest.approx(
+        flat_collective_seconds("reduce_scatter", 4, 2**22, 0.8e9, 40e-6)
+    )
+    assert measured.redistribute_cost(*scatter, m) > 2 * plain.redistribute_cost(*scatter, m)
     assert measured.redistribute_cost(*gather, m) == pytest.approx(plain.redistribute_cost(*gather, m))
-    with pytest.raises(ValueError, match="collective_factor"):
-        dataclasses.replace(CPU_GLOO, collective_factor=(("broadcast", 2.0),))
+    with pytest.raises(ValueError, match="collective_links"):
+        dataclasses.replace(CPU_GLOO, collective_links=(("broadcast", 1e-5, 1e9),))
 
 
 def _calibrate_rank(rank: int):

@@ -3,10 +3,11 @@
 The built-in profiles (``autoplan.cost.devices``) are datasheet figures for clusters that are not
 at hand. ``calibrate`` times this host's device instead:
 
-- matmuls of several sizes per dtype: the fastest is the dtype's peak, and each size's fraction of
-  it becomes the dtype's matmul curve in the profile's ``kernel_efficiency`` (small matmuls reach
-  less of the peak, and how much less depends on the dtype: bf16 on tensor cores needs far larger
-  products than fp32 to fill the device);
+- matmuls of several sizes per dtype, each square and thin (an eighth of the rows): the fastest is
+  the dtype's peak, and each size's fraction of it makes the dtype's matmul curves in the profile's
+  ``kernel_efficiency``, one per shape (small matmuls reach less of the peak, and how much less
+  depends on the dtype: bf16 on tensor cores needs far larger products than fp32 to fill the
+  device; a thin one reaches less than a square one of the same FLOPs, ``devices.thinness``);
 - causal attention (SDPA, forward and backward) at several sequence lengths per dtype, counted
   with the cost model's own FLOP formula: its fraction of the dtype's matmul peak is the
   dtype's attention curve;
@@ -15,9 +16,9 @@ at hand. ``calibrate`` times this host's device instead:
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
   all-to-all at several sizes on the real backend, fitted to the cost model's own alpha-beta
   formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link,
-  then per kind the factor by which the backend runs slower than that (``collective_factor``:
-  gloo's reduce-scatter reduces the whole tensor, no ring), and how much of a matmul loop's time
-  an all-reduce issued beside it runs under (``comm_overlap``).
+  and each kind's own latency and bandwidth, where the backend runs it otherwise than the model
+  (``collective_links``: gloo's reduce-scatter reduces the whole tensor, no ring), and how much of
+  a matmul loop's time an all-reduce issued beside it runs under (``comm_overlap``).
 Dtypes not measured keep their datasheet rate scaled like the first measured one; links not measured
 keep theirs.
 
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autoplan.cost.devices import CPU_GLOO, H100_SXM, DeviceProfile, dtype_name, profile_to_json
+from autoplan.cost.devices import CPU_GLOO, H100_SXM, DeviceProfile, dtype_name, profile_to_json, thinness
 from autoplan.cost.flops import sdpa_flops
 from autoplan.cost.network import CollectiveKind, flat_collective_seconds
 
@@ -100,19 +101,29 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner
     return statistics.median(times)
 
 
+def matmul_shapes(n: int) -> tuple[tuple[int, int, int], ...]:
+    """The (m, k, n) matmuls measured at size ``n``: a square one, and a thin one of an eighth of
+    the rows (few tokens against a wide weight: a small local batch, a weight's gradient over
+    them), which reaches less of the peak (``devices.thinness``)."""
+    return ((n, n, n), (max(n // 8, 1), n, n))
+
+
 def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> dict:
-    """Per dtype name: ``[(n, FLOPs of one n x n x n matmul, FLOP/s)]``."""
+    """Per dtype name: ``[(size, FLOPs of one matmul, FLOP/s, thinness)]`` for each of
+    ``matmul_shapes`` at each size."""
     table = {}
     for dtype in opts.dtypes:
         rows = []
-        for n in opts.matmul_sizes(device):
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
-            flops = 2.0 * n**3
-            inner = max(1, int(2e8 // flops)) if device.type == "cpu" else max(1, int(2e11 // flops))
-            s = _seconds(lambda a=a, b=b: torch.mm(a, b), device, opts.repeats, inner)
-            rows.append((n, flops, flops / s))
-            say(f"matmul {dtype_name(dtype)} {n}x{n}: {flops / s / 1e9:.1f} GFLOP/s")
+        for size in opts.matmul_sizes(device):
+            for m, k, n in matmul_shapes(size):
+                a = torch.randn(m, k, device=device).to(dtype)
+                b = torch.randn(k, n, device=device).to(dtype)
+                flops = 2.0 * m * k * n
+                inner = max(1, int(2e8 // flops)) if device.type == "cpu" else max(1, int(2e11 // flops))
+                s = _seconds(lambda a=a, b=b: torch.mm(a, b), device, opts.repeats, inner)
+                nbytes = a.element_size() * (m * k + k * n + m * n)
+                rows.append((size, flops, flops / s, thinness(flops, nbytes, a.element_size())))
+                say(f"matmul {dtype_name(dtype)} {m}x{k}x{n}: {flops / s / 1e9:.1f} GFLOP/s")
         table[dtype_name(dtype)] = rows
     return table
 
@@ -226,38 +237,57 @@ def _agreed(value: int, group) -> int:
     return int(t.item())
 
 
-def fit_link(rows: list) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) that best fit ``rows`` of (kind, n, bytes, seconds) under the
-    cost model's own formulas (``network.flat_collective_seconds``), by least squares on relative
-    error: each is ``latency * steps + moved / bandwidth``, its terms read off at unit values. The
-    all-reduce takes the fastest of several algorithms in the model, so it is measured and kept,
-    not fitted: the gathers, scatters and all-to-alls pin the link down."""
+def _terms(kind: str, n: int, nbytes: float) -> tuple[float, float]:
+    """A collective's latency steps and bytes over the link in the cost model's formula
+    (``network.flat_collective_seconds``, read off at unit values); an all-reduce's as a ring."""
+    if kind == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes
+    return flat_collective_seconds(kind, n, 0.0, 1.0, 1.0), flat_collective_seconds(kind, n, nbytes, 1.0, 0.0)
+
+
+def _least_squares(rows: list) -> tuple[float, float]:
     coeffs = []
     for kind, n, nbytes, s in rows:
-        if kind == "all_reduce":
-            continue
-        steps = flat_collective_seconds(kind, n, 0.0, 1.0, 1.0)
-        moved = flat_collective_seconds(kind, n, float(nbytes), 1.0, 0.0)
+        steps, moved = _terms(kind, n, float(nbytes))
         coeffs.append((steps / s, moved / s))
     (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(coeffs), np.ones(len(coeffs)), rcond=None)
     return max(float(alpha), 1e-7), 1.0 / max(float(inv_beta), 1e-13)
 
 
-def fit_factors(rows: list, latency: float, bandwidth: float) -> tuple[tuple[str, float], ...]:
-    """Per collective kind in ``rows`` (kind, n, bytes, seconds): the factor ``f`` by which the
-    backend runs it slower than the cost model's formula on the fitted link, by least squares on
-    relative error (``f * model / measured`` nearest 1 over the kind's sizes)."""
-    ratios: dict[str, list[float]] = {}
-    for kind, n, nbytes, s in rows:
-        ratios.setdefault(kind, []).append(flat_collective_seconds(kind, n, float(nbytes), bandwidth, latency) / s)
-    return tuple((kind, sum(r) / sum(x * x for x in r)) for kind, r in ratios.items())
+def fit_link(rows: list) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) that best fit ``rows`` of (kind, n, bytes, seconds) under the
+    cost model's own formulas, by least squares on relative error: each is ``latency * steps +
+    moved / bandwidth``. The all-reduce takes the fastest of several algorithms in the model, so
+    the gathers, scatters and all-to-alls pin the link down."""
+    return _least_squares([r for r in rows if r[0] != "all_reduce"])
+
+
+def fit_kinds(rows: list) -> tuple[tuple[str, float, float], ...]:
+    """Per collective kind in ``rows``: the (latency, bandwidth) its own sizes fit (as ``fit_link``),
+    for a backend that runs some kinds otherwise than the model's algorithm."""
+    kinds = dict.fromkeys(r[0] for r in rows)
+    return tuple((kind, *_least_squares([r for r in rows if r[0] == kind])) for kind in kinds)
 
 
 def efficiency_curve(rows: list, peak: float | None = None) -> tuple[float, tuple[tuple[float, float], ...]]:
     """(peak FLOP/s: ``peak``, or the fastest size, ``[(FLOPs, fraction of the peak)]`` per size,
     in increasing FLOPs; a fraction over the peak counts as the peak)."""
-    peak = peak or max(rate for _, _, rate in rows)
-    return peak, tuple(sorted((flops, min(rate / peak, 1.0)) for _, flops, rate in rows))
+    peak = peak or max(row[2] for row in rows)
+    return peak, tuple(sorted((row[1], min(row[2] / peak, 1.0)) for row in rows))
+
+
+def matmul_curves(rows: list) -> tuple[float, list[tuple]]:
+    """(peak FLOP/s: the fastest matmul, ``kernel_efficiency`` rows of each measured shape: (FLOPs,
+    fraction of the peak, thinness)); ``rows`` as ``measure_matmuls`` gives them."""
+    peak = max(rate for _, _, rate, _ in rows)
+    out = []
+    shapes = len(matmul_shapes(1))
+    for shape in range(shapes):
+        family = rows[shape::shapes]
+        _, curve = efficiency_curve(family, peak)
+        thin = round(statistics.median(t for *_, t in family), 3)  # one value at every size, to rounding
+        out += [(f, e, thin) for f, e in curve]
+    return peak, out
 
 
 def calibrate(
@@ -280,9 +310,9 @@ def calibrate(
     bandwidth, launch = measure_memory(device, opts, say)
     measured_peaks, efficiency = {}, []
     for name, rows in matmuls.items():
-        measured_peaks[name], curve = efficiency_curve(rows)
+        measured_peaks[name], curves = matmul_curves(rows)
         _, attention = efficiency_curve(attentions[name], measured_peaks[name])
-        efficiency += [("matmul", name, f, e) for f, e in curve] + [("attention", name, f, e) for f, e in attention]
+        efficiency += [("matmul", name, *row) for row in curves] + [("attention", name, f, e) for f, e in attention]
     reference = dtype_name(opts.dtypes[0])
     # a dtype not measured keeps the datasheet rate, scaled as the reference dtype's measured peak is
     scale = measured_peaks[reference] / base.flops_for(opts.dtypes[0])
@@ -311,11 +341,10 @@ def calibrate(
     if world > 1 and dist.get_backend(group) != "fake":  # a planning host's fake group moves nothing
         rows = measure_collectives(group, device, opts, say)
         latency, link = fit_link(rows)
-        factors = fit_factors(rows, latency, link)
-        say(
-            f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s; against it, "
-            + ", ".join(f"{kind} x{f:.2f}" for kind, f in factors)
-        )
+        kinds = fit_kinds(rows)
+        say(f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s; per kind:")
+        for kind, lat, bw in kinds:
+            say(f"  {kind}: latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s")
         overlap = measure_overlap(group, device, opts, say)
         profile = dataclasses.replace(
             profile,
@@ -324,11 +353,15 @@ def calibrate(
             gpus_per_node=max(world, profile.gpus_per_node) if device.type == "cpu" else profile.gpus_per_node,
             nvls=False,
             comm_overlap=overlap,
-            collective_factor=factors,
+            collective_links=kinds,
         )
         measured["collectives"] = rows
         measured["comm_overlap"] = overlap
-        measured["link_fit"] = {"latency_s": latency, "bandwidth_bytes_per_s": link, "factors": dict(factors)}
+        measured["link_fit"] = {
+            "latency_s": latency,
+            "bandwidth_bytes_per_s": link,
+            "per_kind": {kind: {"latency_s": lat, "bandwidth_bytes_per_s": bw} for kind, lat, bw in kinds},
+        }
     return profile, measured
 
 

@@ -27,7 +27,7 @@ from autoplan.adapters.dtensor import (
     tensor_meta,
 )
 from autoplan.cost.compute import compute_dtype, flops_of, is_free, kernel_kind
-from autoplan.cost.devices import H100_SXM, DeviceProfile
+from autoplan.cost.devices import H100_SXM, DeviceProfile, thinness
 from autoplan.cost.network import MeshTopology
 from autoplan.cost.transfers import (
     Transfer,
@@ -104,8 +104,9 @@ def roofline_seconds(
     flops: float, nbytes: float, dtype: torch.dtype, profile: DeviceProfile, kind: str = "matmul"
 ) -> float:
     """One kernel: bound by compute (at the efficiency the profile gives a ``kind`` kernel of its
-    size) or HBM traffic, whichever is slower, never faster than a launch."""
-    compute = flops / (profile.flops_for(dtype) * profile.efficiency_at(flops, dtype, kind))
+    size and ``thinness``) or HBM traffic, whichever is slower, never faster than a launch."""
+    thin = thinness(flops, nbytes, dtype.itemsize)
+    compute = flops / (profile.flops_for(dtype) * profile.efficiency_at(flops, dtype, kind, thin))
     memory = nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency)
     return max(compute, memory) + profile.kernel_launch
 

@@ -44,62 +44,77 @@ class DeviceProfile:
     kernel_launch: float  # floor per launched kernel, s
     nvls: bool = False  # the node's switch reduces in-network (NVLink SHARP): all-reduce moves each byte once
     # measured (``autoplan calibrate``): (kernel kind, dtype name, FLOPs of one kernel, fraction of the
-    # dtype's peak it reaches), by size, per kind ("matmul"; "attention": SDPA kernels) and dtype;
-    # empty: every kernel reaches ``compute_efficiency``
-    kernel_efficiency: tuple[tuple[str, str, float, float], ...] = ()
+    # dtype's peak it reaches[, its thinness]), by size, per kind ("matmul"; "attention": SDPA kernels)
+    # and dtype; rows of several thinnesses make one curve each (``thinness``: a thin matmul reaches
+    # less of the peak than a square one of the same FLOPs); empty: every kernel reaches
+    # ``compute_efficiency``
+    kernel_efficiency: tuple[tuple, ...] = ()
     # the fraction of a layer's compute that communication can run under: 1 where collectives have
     # their own stream or engine (NCCL); measured by ``autoplan calibrate`` where they compete with
     # compute for the same cores (gloo's threads on a small CPU)
     comm_overlap: float = 1.0
-    # measured (``autoplan calibrate``): per collective kind, its time on the backend over the
-    # alpha-beta model's at the fitted link (gloo's reduce-scatter, say, is no ring); a kind not
-    # listed runs as the model says
-    collective_factor: tuple[tuple[str, float], ...] = ()
+    # measured (``autoplan calibrate``): per collective kind, the (latency s, bandwidth bytes/s) it
+    # runs at over the intra-node link, fitted to the model's formula for it, where the backend runs
+    # it otherwise than the model (gloo's reduce-scatter reduces the whole tensor, its all-reduce pays
+    # more per step); a kind not listed takes the link's own figures
+    collective_links: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for (kind, dtype), points in self._curves.items():
-            if (
-                kind not in KERNEL_KINDS
-                or any(f <= 0 or not 0 < e <= 1 for f, e in points)
-                or points != tuple(sorted(points))
-            ):
-                raise ValueError(
-                    f"profile {self.name!r}: kernel_efficiency of ({kind!r}, {dtype!r}) must be (FLOPs > 0,"
-                    f" fraction in (0, 1]) pairs in increasing FLOPs for a kind in {KERNEL_KINDS}, got {points}"
-                )
+        for (kind, dtype), levels in self._curves.items():
+            for thin, points in levels:
+                if (
+                    kind not in KERNEL_KINDS
+                    or not thin > 0
+                    or any(f <= 0 or not 0 < e <= 1 for f, e in points)
+                    or points != tuple(sorted(points))
+                ):
+                    raise ValueError(
+                        f"profile {self.name!r}: kernel_efficiency of ({kind!r}, {dtype!r}) must be (FLOPs > 0,"
+                        f" fraction in (0, 1][, thinness > 0]) rows in increasing FLOPs per thinness for a kind"
+                        f" in {KERNEL_KINDS}, got {points} at thinness {thin}"
+                    )
         if not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"profile {self.name!r}: comm_overlap is a fraction in [0, 1], got {self.comm_overlap}")
-        if any(kind not in COLLECTIVE_KINDS or not f > 0 for kind, f in self.collective_factor):
+        if any(k not in COLLECTIVE_KINDS or not (lat > 0 and bw > 0) for k, lat, bw in self.collective_links):
             raise ValueError(
-                f"profile {self.name!r}: collective_factor takes (kind in {COLLECTIVE_KINDS}, factor > 0) pairs,"
-                f" got {self.collective_factor}"
+                f"profile {self.name!r}: collective_links takes (kind in {COLLECTIVE_KINDS}, latency > 0,"
+                f" bandwidth > 0) rows, got {self.collective_links}"
             )
 
-    def factor_for(self, kind: str) -> float:
-        """How much slower than the alpha-beta model a ``kind`` collective runs (``collective_factor``)."""
-        return dict(self.collective_factor).get(kind, 1.0)
+    @functools.cached_property
+    def _kind_links(self) -> dict[str, tuple[float, float]]:
+        return {kind: (latency, bandwidth) for kind, latency, bandwidth in self.collective_links}
 
     @functools.cached_property
-    def _curves(self) -> dict[tuple[str, str], tuple[tuple[float, float], ...]]:
-        curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for kind, dtype, flops, fraction in self.kernel_efficiency:
-            curves.setdefault((kind, dtype), []).append((flops, fraction))
-        return {k: tuple(v) for k, v in curves.items()}
+    def _curves(self) -> dict[tuple[str, str], tuple[tuple[float, tuple[tuple[float, float], ...]], ...]]:
+        """(kind, dtype name) -> its curves as (thinness, (FLOPs, fraction) points), in increasing
+        thinness; rows without a thinness make one curve, of square kernels (thinness 1)."""
+        curves: dict[tuple[str, str], dict[float, list[tuple[float, float]]]] = {}
+        for kind, dtype, flops, fraction, *rest in self.kernel_efficiency:
+            curves.setdefault((kind, dtype), {}).setdefault(rest[0] if rest else 1.0, []).append((flops, fraction))
+        return {k: tuple((t, tuple(v[t])) for t in sorted(v)) for k, v in curves.items()}
 
     def curve_for(self, kind: str, dtype: torch.dtype) -> tuple[tuple[float, float], ...]:
-        """The measured (FLOPs, fraction) points of ``kind`` kernels in ``dtype``. A dtype not measured
-        takes the curve of the measured one whose peak rate is nearest (fp8 that of bf16, say); a kind
-        not measured, the matmul's; nothing measured, an empty curve."""
+        """The measured (FLOPs, fraction) points of ``kind`` kernels in ``dtype`` at their least
+        measured thinness (square matmuls)."""
+        levels = self.curves_for(kind, dtype)
+        return levels[0][1] if levels else ()
+
+    def curves_for(self, kind: str, dtype: torch.dtype) -> tuple[tuple[float, tuple[tuple[float, float], ...]], ...]:
+        """The measured curves of ``kind`` kernels in ``dtype``, as (thinness, (FLOPs, fraction)
+        points) in increasing thinness. A dtype not measured takes the curves of the measured one
+        whose peak rate is nearest (fp8 those of bf16, say); a kind not measured, the matmul's;
+        nothing measured, none."""
         found = self._curve_memo.get((kind, dtype))
         if found is None:
-            found = self._curve_memo[kind, dtype] = self._find_curve(kind, dtype)
+            found = self._curve_memo[kind, dtype] = self._find_curves(kind, dtype)
         return found
 
     @functools.cached_property
     def _curve_memo(self) -> dict:
         return {}
 
-    def _find_curve(self, kind: str, dtype: torch.dtype) -> tuple[tuple[float, float], ...]:
+    def _find_curves(self, kind: str, dtype: torch.dtype) -> tuple:
         for k in (kind, "matmul"):
             measured = {d: c for (kk, d), c in self._curves.items() if kk == k}
             if measured:
@@ -110,23 +125,24 @@ class DeviceProfile:
                 return measured[nearest]
         return ()
 
-    def efficiency_at(self, flops: float, dtype: torch.dtype = torch.float32, kind: str = "matmul") -> float:
-        """The fraction of the peak a ``kind`` kernel of ``flops`` in ``dtype`` reaches:
-        ``compute_efficiency`` times the measured curve, linear in log FLOPs between its points and
-        flat past its ends."""
-        curve = self.curve_for(kind, dtype)
-        if not curve:
+    def efficiency_at(
+        self, flops: float, dtype: torch.dtype = torch.float32, kind: str = "matmul", thinness: float = 1.0
+    ) -> float:
+        """The fraction of the peak a ``kind`` kernel of ``flops`` in ``dtype`` and ``thinness``
+        (``thinness``) reaches: ``compute_efficiency`` times the measured curves, linear in log
+        FLOPs along each curve and in log thinness between the curves around ``thinness``, flat past
+        the ends of both."""
+        levels = self.curves_for(kind, dtype)
+        if not levels:
             return self.compute_efficiency
-        xs = [math.log(f) for f, _ in curve]
-        x = math.log(max(flops, 1.0))
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            fraction = curve[0][1]
-        elif i == len(xs):
-            fraction = curve[-1][1]
+        thins = [t for t, _ in levels]
+        j = bisect.bisect_left(thins, thinness)
+        if j == len(levels) or thins[j] == thinness or j == 0:
+            fraction = _along(levels[min(j, len(levels) - 1)][1], flops)
         else:
-            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            fraction = curve[i - 1][1] + t * (curve[i][1] - curve[i - 1][1])
+            (lo, low), (hi, high) = levels[j - 1], levels[j]
+            t = (math.log(thinness) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            fraction = _along(low, flops) + t * (_along(high, flops) - _along(low, flops))
         return self.compute_efficiency * fraction
 
     def flops_for(self, dtype: torch.dtype) -> float:
@@ -134,13 +150,40 @@ class DeviceProfile:
         rates = dict(self.peak_flops)
         return rates.get(dtype_name(dtype), min(rates.values()))
 
-    def link_bandwidth(self, link: LinkKind) -> float:
-        """Achievable bytes/s per device on ``link``."""
-        raw = self.intra_node_bandwidth if link is LinkKind.INTRA_NODE else self.inter_node_bandwidth
+    def link_bandwidth(self, link: LinkKind, kind: str | None = None) -> float:
+        """Achievable bytes/s per device on ``link`` for a ``kind`` collective (``collective_links``)."""
+        if link is LinkKind.INTRA_NODE:
+            raw = self._kind_links[kind][1] if kind in self._kind_links else self.intra_node_bandwidth
+        else:
+            raw = self.inter_node_bandwidth
         return raw * self.bandwidth_efficiency
 
-    def link_latency(self, link: LinkKind) -> float:
-        return self.intra_node_latency if link is LinkKind.INTRA_NODE else self.inter_node_latency
+    def link_latency(self, link: LinkKind, kind: str | None = None) -> float:
+        if link is LinkKind.INTRA_NODE:
+            return self._kind_links[kind][0] if kind in self._kind_links else self.intra_node_latency
+        return self.inter_node_latency
+
+
+def thinness(flops: float, nbytes: float, itemsize: int) -> float:
+    """How much more a kernel of ``flops`` reads and writes (``nbytes``) than a square matmul of the
+    same FLOPs would: 1 for a square (n, n, n) matmul, which moves the fewest bytes for its FLOPs;
+    5/3 for an (n/8, n, n) one, at any n. A scale-free measure of shape that predicts how much of
+    the peak a matmul reaches besides its size."""
+    side = (flops / 2) ** (1 / 3)
+    return max(nbytes / (3 * itemsize * side * side), 1.0) if flops > 0 else 1.0
+
+
+def _along(curve: tuple[tuple[float, float], ...], flops: float) -> float:
+    """A curve's fraction at ``flops``: linear in log FLOPs between its points, flat past its ends."""
+    xs = [math.log(f) for f, _ in curve]
+    x = math.log(max(flops, 1.0))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return curve[0][1]
+    if i == len(xs):
+        return curve[-1][1]
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return curve[i - 1][1] + t * (curve[i][1] - curve[i - 1][1])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -269,7 +312,8 @@ DEVICE_PROFILES = {
 
 
 PROFILE_FORMAT = "autoplan-device-profile"
-# 2: kernel_efficiency per kind and dtype (1 had one matmul curve for every dtype); 3: collective_factor
+# 2: kernel_efficiency per kind and dtype (1 had one matmul curve for every dtype); 3: collective_links
+# and kernel_efficiency rows with a thinness
 PROFILE_VERSION = 3
 
 
@@ -303,7 +347,7 @@ def profile_from_json(path: str | Path) -> DeviceProfile:
     if unknown or missing:
         raise ConstraintError(f"{path}: device profile fields unknown {unknown}, missing {missing}")
     fields = dict(fields)
-    for key in ("peak_flops", "kernel_efficiency", "collective_factor"):
+    for key in ("peak_flops", "kernel_efficiency", "collective_links"):
         fields[key] = tuple(tuple(row) for row in fields.get(key, ()))
     try:
         return DeviceProfile(**fields)

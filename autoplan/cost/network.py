@@ -96,16 +96,12 @@ def collective_seconds(kind: CollectiveKind, span: GroupSpan, nbytes: float, pro
     Inside one node it runs on NVLink; with one rank per node, on the network. A group with
     several ranks on each of several nodes runs hierarchically, as NCCL's multi-NIC rings and trees
     effectively do: the network phase runs between ranks of equal local index, each on its own NIC
-    with 1/per_node of the bytes, and the NVLink phase inside each node. A backend that runs a kind
-    slower than this (measured: ``DeviceProfile.collective_factor``) takes that much longer.
+    with 1/per_node of the bytes, and the NVLink phase inside each node. Inside a node each kind
+    runs at its own measured figures where the profile has them (``collective_links``).
     """
     if span.size == 1:
         return 0.0
-    return _alpha_beta_seconds(kind, span, nbytes, profile) * profile.factor_for(kind)
-
-
-def _alpha_beta_seconds(kind: CollectiveKind, span: GroupSpan, nbytes: float, profile: DeviceProfile) -> float:
-    nvlink = (profile.link_bandwidth(LinkKind.INTRA_NODE), profile.link_latency(LinkKind.INTRA_NODE))
+    nvlink = (profile.link_bandwidth(LinkKind.INTRA_NODE, kind), profile.link_latency(LinkKind.INTRA_NODE, kind))
     network = (profile.link_bandwidth(LinkKind.INTER_NODE), profile.link_latency(LinkKind.INTER_NODE))
     if span.nodes == 1:
         return flat_collective_seconds(kind, span.size, nbytes, *nvlink, in_switch=profile.nvls)
@@ -117,7 +113,11 @@ def _alpha_beta_seconds(kind: CollectiveKind, span: GroupSpan, nbytes: float, pr
             kind, g, nbytes, *nvlink
         )
     if kind == "all_reduce":  # reduce-scatter in the node, all-reduce across nodes, all-gather in the node
-        inside = 2 * flat_collective_seconds("reduce_scatter", g, nbytes, *nvlink)
+        scatter = (
+            profile.link_bandwidth(LinkKind.INTRA_NODE, "reduce_scatter"),
+            profile.link_latency(LinkKind.INTRA_NODE, "reduce_scatter"),
+        )
+        inside = 2 * flat_collective_seconds("reduce_scatter", g, nbytes, *scatter)
         return inside + flat_collective_seconds("all_reduce", k, nbytes / g, *network)
     if kind == "all_to_all":  # of a rank's nbytes/n shard, (n-g)/n leaves the node; both streams run at once
         n, shard = span.size, nbytes / span.size
