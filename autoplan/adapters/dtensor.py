@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, _tp_conv
 from torch.distributed.tensor import _redistribute as _dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
@@ -196,6 +196,16 @@ def share_rule(op: torch._ops.OpOverload, like: torch._ops.OpOverload) -> None:
 
 def has_full_rule(op: torch._ops.OpOverload) -> bool:
     return op in sharding_propagator().op_strategy_funcs
+
+
+def runs_nested_splits(op: torch._ops.OpOverload) -> bool:
+    """Whether DTensor runs ``op`` with a tensor dim split over several mesh dims: it dispatches
+    convolutions to its own handler (``_tp_conv``), which reads the output spec's ``dim_map``, and
+    that raises on such a split (torch 2.13) though the op's strategy offers it."""
+    return DTensor._op_dispatcher._custom_op_handlers.get(op) not in (
+        _tp_conv.convolution_handler,
+        _tp_conv.convolution_backward_handler,
+    )
 
 
 def input_choices(mesh: DeviceMesh, placements: Sequence[Placements], meta: TensorMeta) -> OpStrategy:

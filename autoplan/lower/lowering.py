@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autoplan.adapters import dtensor as dt
 from autoplan.adapters.dtensor import redistribute
 from autoplan.adapters.fake import FakeTensor
 from autoplan.adapters.modules import buffer_slots
@@ -37,7 +38,7 @@ from autoplan.lower.validate import GraphCheckError, check_lowered
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
 from autoplan.shard import expert_rows
-from autoplan.shard.strategies import Placements
+from autoplan.shard.strategies import Placements, aliases_input
 from autoplan.trace import attention, grouped_mm, regions
 from autoplan.trace.recompute import closure, just_in_time, layer_of
 from autoplan.trace.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
@@ -138,9 +139,10 @@ def _host_lse(lse: torch.Tensor, seq: int) -> torch.Tensor:
     return lse.reshape(*lse.shape[:3])[..., :seq].contiguous()
 
 
-def _gpu_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into the dim order of ``like`` (the GPU kernel's output): the planned graph's
-    later views were traced against that layout, while the host's follows its (runtime) inputs."""
+def _in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into the dim order of ``like`` (the traced value it stands for: a GPU kernel's
+    output, a transposed view's): the planned graph's later views were traced against that layout,
+    while ``t`` has another (the host kernel's, a move's contiguous result)."""
     order = sorted(range(like.ndim), key=lambda d: -like.stride(d))
     inverse = sorted(range(like.ndim), key=order.__getitem__)
     return t.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
@@ -190,11 +192,11 @@ def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: De
         mask = values.get("grad_input_mask")
         if mask is not None and mask[3]:  # the CPU kernel has no gradient for a bias
             grads.append(_bias_grad(values, lse))
-        grads = [_gpu_layout(g, like) for g, like in zip(grads, node.meta["val"])]
+        grads = [_in_layout_of(g, like) for g, like in zip(grads, node.meta["val"])]
         return (*grads, *(None for _ in spec.output_roles[len(grads) :]))
     vals = node.meta["val"]
     out, lse = twin.call(common)
-    out = _gpu_layout(out[..., :v_head], vals[spec.output("out")])
+    out = _in_layout_of(out[..., :v_head], vals[spec.output("out")])
     made = {"out": out, "max_q": values["query"].shape[2], "max_k": values["key"].shape[2]}
     result = []
     for i, role in enumerate(spec.output_roles):
@@ -256,13 +258,46 @@ def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate
     return tree_unflatten(wrapped, spec)
 
 
+def _local_convolution(node: fx.Node, chosen) -> bool:
+    """A convolution DTensor's own handler cannot run (it refuses a tensor dim split over several
+    mesh dims: the batch over both dims of a 2-D mesh) that needs no halo exchange (no spatial dim
+    is split): each rank convolves its own shards, as the strategy's per-mesh-dim rules say."""
+    if dt.runs_nested_splits(node.target):
+        return False
+    placements = [p for p in (*chosen.inputs, *chosen.outputs) if p is not None]
+    dims = [[d for d in map(dt.shard_dim, p) if d is not None] for p in placements]
+    nested = any(len(d) != len(set(d)) for d in dims)
+    return nested and all(d < 2 for ds in dims for d in ds)
+
+
+def _moved_for_view(value: DTensor, moved: DTensor, traced: torch.Tensor) -> DTensor:
+    """A view's moved input in the dim order of the value it was traced on. A move's result is
+    contiguous; a value the model had transposed (a transpose's result, moved before the view that
+    reads it) must keep that order, since the views after it were traced on it (a transpose back,
+    then a merge of dims)."""
+    if moved is value or not isinstance(moved, DTensor) or not isinstance(traced, torch.Tensor):
+        return moved
+    if traced.is_contiguous():
+        return moved
+    local = _in_layout_of(moved.to_local(), traced)
+    return DTensor.from_local(
+        local, moved.device_mesh, moved.placements, run_check=False, shape=moved.shape, stride=moved.stride()
+    )
+
+
 def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict, coordinate: torch.Tensor):
     chosen = plan.nodes[node.name]
     wanted = iter(chosen.inputs)
     flat, spec = tree_flatten((node.args, node.kwargs))
-    flat = [_to(env[a], next(wanted), coordinate) if isinstance(a, fx.Node) else a for a in flat]
+    view = aliases_input(node)
+
+    def take(a: fx.Node):
+        moved = _to(env[a], next(wanted), coordinate)
+        return _moved_for_view(env[a], moved, a.meta.get("val")) if view else moved
+
+    flat = [take(a) if isinstance(a, fx.Node) else a for a in flat]
     args, kwargs = tree_unflatten(flat, spec)
-    if chosen.rule in LOCAL_RULES or expert_rows.within(chosen):  # DTensor would reduce expert rows first
+    if chosen.rule in LOCAL_RULES or expert_rows.within(chosen) or _local_convolution(node, chosen):
         return _run_local(node, args, kwargs, mesh, chosen, coordinate)
     result = node.target(*args, **kwargs)
     results = result if isinstance(result, (tuple, list)) else (result,)
