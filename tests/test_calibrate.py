@@ -52,7 +52,7 @@ def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, c
         assert len(curve) == 4 and max(f for _, f in curve) == 1.0 and all(0 < f <= 1 for _, f in curve)
         assert profile.efficiency_at(curve[0][0], dtype) == curve[0][1]
         assert profile.efficiency_at(1e30, dtype) == curve[-1][1]
-        assert [t for t, _ in profile.curves_for("matmul", dtype)] == [1.0, 1.667]  # square and thin
+        assert [t for t, _ in profile.curves_for("matmul", dtype)] == [1.0, 1.667, 3.57]  # square and two thin
         attention = profile.curve_for("attention", dtype)
         assert len(attention) == 2 and all(0 < f <= 1 for _, f in attention)
     assert profile.curve_for("matmul", torch.float32) != profile.curve_for("matmul", torch.bfloat16)

@@ -3,7 +3,8 @@
 The built-in profiles (``autoplan.cost.devices``) are datasheet figures for clusters that are not
 at hand. ``calibrate`` times this host's device instead:
 
-- matmuls of several sizes per dtype, each square and thin (an eighth of the rows): the fastest is
+- matmuls of several sizes per dtype, each square and thin (an eighth and a thirty-second of the
+  rows): the fastest is
   the dtype's peak, and each size's fraction of it makes the dtype's matmul curves in the profile's
   ``kernel_efficiency``, one per shape (small matmuls reach less of the peak, and how much less
   depends on the dtype: bf16 on tensor cores needs far larger products than fp32 to fill the
@@ -14,7 +15,8 @@ at hand. ``calibrate`` times this host's device instead:
 - a large elementwise product: the memory bandwidth that memory-bound ops stream at;
 - a one-element op: the launch and dispatch floor every kernel pays;
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
-  all-to-all at several sizes on the real backend, fitted to the cost model's own alpha-beta
+  all-to-all at several sizes on the real backend (on gloo each after a burst of compute, as a
+  training step issues them), fitted to the cost model's own alpha-beta
   formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link,
   and each kind's own latency and bandwidth, where the backend runs it otherwise than the model
   (``collective_links``: gloo's reduce-scatter reduces the whole tensor, no ring), and how much of
@@ -81,6 +83,14 @@ class CalibrateOptions:
     def repeats(self) -> int:
         return 3 if self.fast else 7
 
+    def collective_gap(self, device: torch.device) -> float:
+        """Seconds of compute each timed collective follows (``measure_collectives``): a training
+        step's gap between two of its collectives. 0 on GPUs, where the collective runs on its own
+        stream and the host only queues the compute."""
+        if device.type == "cuda":
+            return 0.0
+        return 1e-3 if self.fast else 5e-3
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -102,10 +112,10 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner
 
 
 def matmul_shapes(n: int) -> tuple[tuple[int, int, int], ...]:
-    """The (m, k, n) matmuls measured at size ``n``: a square one, and a thin one of an eighth of
-    the rows (few tokens against a wide weight: a small local batch, a weight's gradient over
-    them), which reaches less of the peak (``devices.thinness``)."""
-    return ((n, n, n), (max(n // 8, 1), n, n))
+    """The (m, k, n) matmuls measured at size ``n``: a square one, and thin ones of an eighth and a
+    thirty-second of the rows (few tokens against a wide weight: a small local batch, a weight's
+    gradient over them), which reach less of the peak (``devices.thinness``: 5/3 and about 3.6)."""
+    return ((n, n, n), (max(n // 8, 1), n, n), (max(n // 32, 1), n, n))
 
 
 def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> dict:
@@ -180,9 +190,30 @@ def _collective(kind: CollectiveKind, nbytes: int, group, device: torch.device) 
     return lambda: dist.all_to_all_single(out, shard, group=group)
 
 
+def _burst(seconds: float, device: torch.device, group, opts: CalibrateOptions) -> tuple[Callable[[], None], float]:
+    """(a matmul loop of about ``seconds``, the same loop count on every rank; its measured time)."""
+    a = torch.randn(128, 128, device=device)
+    per_mm = _seconds(lambda: torch.mm(a, a), device, opts.repeats, inner=16)
+    loops = _agreed(max(1, round(seconds / per_mm)), group)
+
+    def burst() -> None:
+        for _ in range(loops):
+            torch.mm(a, a)
+
+    return burst, _seconds(burst, device, opts.repeats)
+
+
 def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> list:
-    """``[(kind, group size, bytes of the full tensor, seconds)]`` on ``group``, every rank timing alike."""
+    """``[(kind, group size, bytes of the full tensor, seconds)]`` on ``group``, every rank timing alike.
+
+    Where the backend runs collectives on the cores that compute (gloo), each one is timed as a
+    training step meets it: after a burst of compute (``CalibrateOptions.collective_gap``), whose own
+    time is taken off. Back to back, a collective finds its peer ready, its worker thread awake and
+    its buffers in cache; after compute it finds none of them, and pays for it (2 gloo processes on
+    2 cores: about a millisecond more per collective at every size)."""
     n = dist.get_world_size(group)
+    gap = opts.collective_gap(device)
+    burst, t_burst = _burst(gap, device, group, opts) if gap else ((lambda: None), 0.0)
     rows = []
     with warnings.catch_warnings():  # torch 2.13 renames the tensor collectives; older torch lacks the new names
         warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
@@ -190,7 +221,7 @@ def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say
             for nbytes in opts.collective_bytes:
                 fn = _collective(kind, nbytes, group, device)
                 dist.barrier(group=group)
-                s = _seconds(fn, device, opts.repeats, inner=3)
+                s = max(_seconds(lambda fn=fn: (burst(), fn()), device, opts.repeats, inner=3) - t_burst, 1e-6)
                 rows.append((kind, n, nbytes, s))
                 say(f"{kind} over {n} ranks, {nbytes / 2**10:.0f} KiB: {s * 1e6:.0f} us")
     return rows
@@ -203,7 +234,11 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
     n = 128 if opts.fast else 256
     a = torch.randn(n, n, device=device)
     buf = torch.ones(opts.collective_bytes[-1] // 4, device=device)
-    t_comm = _seconds(lambda: dist.all_reduce(buf, group=group), device, opts.repeats)
+
+    def comm():
+        dist.all_reduce(buf, group=group)
+
+    t_comm = _seconds(comm, device, opts.repeats)
     per_mm = _seconds(lambda: torch.mm(a, a), device, opts.repeats, inner=4)
     loops = max(1, int(0.5 * t_comm / per_mm))  # compute about half the all-reduce: all of it can hide
     loops = _agreed(loops, group)
@@ -217,13 +252,20 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
         compute()
         work.wait()
 
-    dist.barrier(group=group)
-    t_compute = _seconds(compute, device, opts.repeats)
-    t_both = _seconds(both, device, opts.repeats)
-    fraction = min(max((t_compute + t_comm - t_both) / t_compute, 0.0), 1.0)
+    def one_then_other():
+        compute()
+        comm()
+
+    fractions = []
+    for _ in range(opts.repeats):  # timed in turn, so drift on the host hits each alike
+        dist.barrier(group=group)
+        t_compute, t_serial, t_both = (_seconds(fn, device, 1, inner=3) for fn in (compute, one_then_other, both))
+        fractions.append(min(max((t_serial - t_both) / t_compute, 0.0), 1.0))
+    fraction = statistics.median(fractions)
     say(
-        f"overlap: {loops} matmuls {t_compute * 1e3:.2f} ms, all-reduce {t_comm * 1e3:.2f} ms, together"
-        f" {t_both * 1e3:.2f} ms: {fraction:.0%} of the compute ran beside communication"
+        f"overlap: {loops} matmuls {t_compute * 1e3:.2f} ms, then an all-reduce {t_serial * 1e3:.2f} ms, beside it"
+        f" {t_both * 1e3:.2f} ms (last of {opts.repeats}): a median {fraction:.0%} of the compute ran beside"
+        " communication"
     )
     return fraction
 
