@@ -13,7 +13,6 @@ graph's first input, the rank's mesh coordinate, so the same graph runs on every
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -24,22 +23,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoplan.adapters import dtensor as dt
 from autoplan.adapters.dtensor import redistribute
 from autoplan.adapters.fake import FakeTensor
 from autoplan.adapters.modules import buffer_slots
-from autoplan.adapters.pytree import tree_flatten, tree_map, tree_unflatten
+from autoplan.adapters.pytree import tree_flatten, tree_unflatten
 from autoplan.cost.costs import largest_shard_shape as padded_shape
 from autoplan.lower.collectives import collective_kind, is_c10d
+from autoplan.lower.local_ops import in_layout_of, local_convolution, run_local
 from autoplan.lower.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.lower.passes.gather_fusion import FusionStats, fuse_gather_chains
-from autoplan.lower.validate import GraphCheckError, check_lowered
+from autoplan.lower.validate import GraphCheckError, LoweringError, check_lowered
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
 from autoplan.shard import expert_rows
 from autoplan.shard.strategies import Placements, aliases_input
-from autoplan.trace import attention, grouped_mm, regions
 from autoplan.trace.recompute import closure, just_in_time, layer_of
 from autoplan.trace.tracing import PATH_KEY, PHASE_KEY, TracedGraph, forward_nodes
 
@@ -48,10 +46,6 @@ aten = torch.ops.aten
 
 REGION_KEY = "autoplan_region"  # the repeated-layer instance a lowered node belongs to ("" outside any)
 SOURCE_KEY = "autoplan_source"  # the traced node a lowered node computes (with its input moves)
-
-
-class LoweringError(RuntimeError):
-    """The plan and DTensor disagree about a node (a planner bug, reported with the node)."""
 
 
 @dataclass
@@ -112,164 +106,6 @@ def _to(value, placements: Placements | None, coordinate: torch.Tensor):
     return value if value.placements == tuple(placements) else redistribute(value, placements, coordinate)
 
 
-def _local_lengths(spec: attention.SdpaOp, args, kwargs) -> tuple[list, dict]:
-    """A kernel call with the sequence lengths (``max_q``/``max_k``) of the local shards: the
-    traced call baked in the global ones."""
-    args, kwargs = list(args), dict(kwargs)
-    q, k = spec.arg(args, kwargs, "query"), spec.arg(args, kwargs, "key")
-    for role, length in (("max_q", q.shape[2]), ("max_k", k.shape[2])):
-        i = spec.position(role)
-        if i is not None and i < len(args):
-            args[i] = length
-        elif i is not None:
-            kwargs[spec.arg_names[role]] = length
-    return args, kwargs
-
-
-def _kernel_lse(lse: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The host's logsumexp (b, h, s) in a GPU kernel's layout: padded along the sequence
-    (efficient: to a multiple of 32) or with a trailing unit dim (cuDNN)."""
-    if lse.shape[2] != shape[2]:
-        lse = torch.nn.functional.pad(lse, (0, shape[2] - lse.shape[2]))
-    return lse.reshape(shape)
-
-
-def _host_lse(lse: torch.Tensor, seq: int) -> torch.Tensor:
-    """A GPU kernel's logsumexp back to the host's (b, h, s) layout."""
-    return lse.reshape(*lse.shape[:3])[..., :seq].contiguous()
-
-
-def _in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into the dim order of ``like`` (the traced value it stands for: a GPU kernel's
-    output, a transposed view's): the planned graph's later views were traced against that layout,
-    while ``t`` has another (the host kernel's, a move's contiguous result)."""
-    order = sorted(range(like.ndim), key=lambda d: -like.stride(d))
-    inverse = sorted(range(like.ndim), key=order.__getitem__)
-    return t.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
-
-
-def _bias_grad(values: dict, lse: torch.Tensor) -> torch.Tensor:
-    """The gradient of an additive attention bias: the scores' gradient, from the probabilities
-    the forward's logsumexp gives back (``dS = P * (dO V^T - rowsum(dO * O))``), summed to the
-    bias's shape where it broadcasts. On dense copies (a clone, which the trace records where a
-    no-op ``contiguous`` would not): the matmuls trace to views of their inputs, which must hold for
-    whatever strides the shards have when the program runs."""
-    q, k, v, grad_out = (
-        values[r].float().clone(memory_format=torch.contiguous_format) for r in ("query", "key", "value", "grad_out")
-    )
-    scale = values.get("scale") or q.shape[-1] ** -0.5
-    scores = q @ k.transpose(-2, -1) * scale + values["bias"].float()  # SDPA takes a bias or is_causal
-    probs = torch.exp(scores - lse.float().unsqueeze(-1))
-    delta = (grad_out * values["out"].float()).sum(-1, keepdim=True)
-    grad = probs * (grad_out @ v.transpose(-2, -1) - delta)
-    return grad.sum_to_size(values["bias"].shape).to(values["bias"].dtype)
-
-
-def _pad_head(t: torch.Tensor, head: int) -> torch.Tensor:
-    """``t`` with its last (head) dim zero-padded to ``head``. The CPU kernel takes one head size
-    for query, key and value; GPU kernels take a narrower value (MLA's). Zero columns of the value
-    give zero columns of the output and of the value's gradient, and add nothing to the others."""
-    return t if t.shape[-1] == head else torch.nn.functional.pad(t, (0, head - t.shape[-1]))
-
-
-def _run_host_twin(node: fx.Node, spec: attention.SdpaOp, values: dict, mesh: DeviceMesh, outputs: tuple) -> tuple:
-    """A GPU attention kernel computed by its CPU twin on the local shards, in the GPU kernel's output
-    layout. The values only a GPU makes (RNG state, seeds, debug masks) are zeros that nothing reads:
-    without dropout the backward needs none of them."""
-    where = f"{node.name} ({node.target}, module {node.meta.get(PATH_KEY) or '<top level>'})"
-    if values.get("dropout_p"):
-        raise LoweringError(f"{where}: attention dropout draws GPU random numbers; it cannot run on a CPU mesh")
-    twin = attention.HOST_TWIN[spec.op]
-    common = {r: values[r] for r in ("query", "key", "value", "is_causal", "scale")}
-    common |= {"bias": values.get("bias"), "dropout_p": 0.0}
-    head, v_head = values["query"].shape[-1], values["value"].shape[-1]
-    common["value"] = _pad_head(values["value"], head)
-    if spec.backward:
-        lse = _host_lse(values["lse"], values["query"].shape[2])
-        padded = {r: _pad_head(values[r], head) for r in ("grad_out", "out")}
-        grads = list(twin.call({**common, **padded, "lse": lse}))
-        grads[2] = grads[2][..., :v_head]
-        mask = values.get("grad_input_mask")
-        if mask is not None and mask[3]:  # the CPU kernel has no gradient for a bias
-            grads.append(_bias_grad(values, lse))
-        grads = [_in_layout_of(g, like) for g, like in zip(grads, node.meta["val"])]
-        return (*grads, *(None for _ in spec.output_roles[len(grads) :]))
-    vals = node.meta["val"]
-    out, lse = twin.call(common)
-    out = _in_layout_of(out[..., :v_head], vals[spec.output("out")])
-    made = {"out": out, "max_q": values["query"].shape[2], "max_k": values["key"].shape[2]}
-    result = []
-    for i, role in enumerate(spec.output_roles):
-        val = vals[i]
-        shape = padded_shape(val.shape, outputs[i], mesh.shape) if isinstance(val, torch.Tensor) else None
-        if role == "lse":
-            result.append(_kernel_lse(lse, shape))
-        elif role in made:
-            result.append(made[role])
-        elif isinstance(val, torch.Tensor):
-            result.append(torch.zeros(shape, dtype=val.dtype, device=out.device))
-        else:
-            result.append(val)
-    return tuple(result)
-
-
-def _run_experts(node: fx.Node, args, kwargs, mesh: DeviceMesh, dims: list[int], coordinate: torch.Tensor):
-    """A grouped matmul split over its experts on mesh ``dims``: this rank's expert block
-    (``grouped_mm.expert_block``), the block numbered across ``dims`` in mesh order."""
-    a, b, offs = (*args, *kwargs.values())[:3]
-    block = coordinate[dims[0]]
-    for d in dims[1:]:
-        block = block * mesh.shape[d] + coordinate[d]
-    n_local = offs.shape[0] // math.prod(mesh.shape[d] for d in dims)
-    return grouped_mm.expert_block(node.target, a, b, offs, block, n_local)
-
-
-def _run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate: torch.Tensor):
-    """Ops DTensor has no rule for (ours, or replicate-only fallbacks): run on the local shards.
-
-    GPU attention kernels run as themselves on a GPU mesh and through their CPU twin on a CPU mesh;
-    a grouped matmul split over its experts runs the rank's block of experts.
-    """
-    outputs = chosen.outputs
-    unwrap = lambda v: v.to_local() if isinstance(v, DTensor) else v  # noqa: E731
-    args, kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
-    spec = attention.spec_of(node.target)
-    experts = grouped_mm.expert_mesh_dims(node, chosen.inputs, outputs)
-    if node.target in (regions.ENTER, regions.EXIT):  # a region's boundary: the shard as it is
-        result = args[0]
-    elif experts:
-        result = _run_experts(node, args, kwargs, mesh, experts, coordinate)
-    elif spec is None or spec.backend == "cpu":
-        result = node.target(*args, **kwargs)
-    elif mesh.device_type == "cpu":
-        values = {role: spec.arg(args, kwargs, role) for role in spec.arg_names}
-        result = _run_host_twin(node, spec, values, mesh, outputs)
-    else:
-        args, kwargs = _local_lengths(spec, args, kwargs)
-        result = node.target(*args, **kwargs)
-    flat, spec = tree_flatten(result)
-    vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-    wrapped = [
-        DTensor.from_local(r, mesh, pl, run_check=False, shape=v.shape, stride=v.stride())
-        if isinstance(r, torch.Tensor) and pl is not None
-        else r
-        for r, pl, v in zip(flat, outputs, vals)
-    ]
-    return tree_unflatten(wrapped, spec)
-
-
-def _local_convolution(node: fx.Node, chosen) -> bool:
-    """A convolution DTensor's own handler cannot run (it refuses a tensor dim split over several
-    mesh dims: the batch over both dims of a 2-D mesh) that needs no halo exchange (no spatial dim
-    is split): each rank convolves its own shards, as the strategy's per-mesh-dim rules say."""
-    if dt.runs_nested_splits(node.target):
-        return False
-    placements = [p for p in (*chosen.inputs, *chosen.outputs) if p is not None]
-    dims = [[d for d in map(dt.shard_dim, p) if d is not None] for p in placements]
-    nested = any(len(d) != len(set(d)) for d in dims)
-    return nested and all(d < 2 for ds in dims for d in ds)
-
-
 def _moved_for_view(value: DTensor, moved: DTensor, traced: torch.Tensor) -> DTensor:
     """A view's moved input in the dim order of the value it was traced on. A move's result is
     contiguous; a value the model had transposed (a transpose's result, moved before the view that
@@ -279,7 +115,7 @@ def _moved_for_view(value: DTensor, moved: DTensor, traced: torch.Tensor) -> DTe
         return moved
     if traced.is_contiguous():
         return moved
-    local = _in_layout_of(moved.to_local(), traced)
+    local = in_layout_of(moved.to_local(), traced)
     return DTensor.from_local(
         local, moved.device_mesh, moved.placements, run_check=False, shape=moved.shape, stride=moved.stride()
     )
@@ -297,8 +133,8 @@ def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict, coordinate
 
     flat = [take(a) if isinstance(a, fx.Node) else a for a in flat]
     args, kwargs = tree_unflatten(flat, spec)
-    if chosen.rule in LOCAL_RULES or expert_rows.within(chosen) or _local_convolution(node, chosen):
-        return _run_local(node, args, kwargs, mesh, chosen, coordinate)
+    if chosen.rule in LOCAL_RULES or expert_rows.within(chosen) or local_convolution(node, chosen):
+        return run_local(node, args, kwargs, mesh, chosen, coordinate)
     result = node.target(*args, **kwargs)
     results = result if isinstance(result, (tuple, list)) else (result,)
     for i, (r, pl) in enumerate(zip(results, chosen.outputs)):

@@ -36,6 +36,11 @@ _HOST_SYNCS = {
 }
 
 
+class LoweringError(RuntimeError):
+    """The plan and DTensor disagree about a node (a planner bug, reported with the node), or a node
+    the mesh's devices cannot run as planned."""
+
+
 class GraphCheckError(RuntimeError):
     """A lowered graph that would fail (or stall) on the mesh's devices, with the node at fault."""
 
