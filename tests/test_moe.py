@@ -15,6 +15,8 @@ from autoplan.trace.grouped_mm import expert_block, grouped_mm
 S0, S1, S2, R, P, E = Shard(0), Shard(1), Shard(2), Replicate(), Partial(), ExpertRows()
 # experts stored split over dp on the expert dim (FSDP) and over tp inside each expert (TP)
 EXPERT_TP = [("w[13]", (S0, S2)), ("w2", (S0, S1)), ("*weight", (S0, S0))]
+# the in-repo MoE decoder's experts split over dp, whole inside each rank
+EXPERTS_OVER_DP = ("layers.*.feed_forward.w[123]", (S0, R))
 
 
 def _layout(name: str):
@@ -114,8 +116,7 @@ def test_moe_transformer_expert_parallel_matches_single_device():
     device."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run("moe_transformer", batch_rows=8)
-    experts = (S0, R)
-    pins = [("layers.*.feed_forward.w[123]", experts), ("bmm*", experts)]
+    pins = [EXPERTS_OVER_DP, ("bmm*", EXPERTS_OVER_DP[1])]
     plan, lowered, pmod = plan_and_apply(mesh, "moe_transformer", pins, batch_rows=8)
     assert lowered.collective_counts()["all_to_all"] >= 4
     with LocalTensorMode(8):
@@ -131,7 +132,7 @@ def test_moe_transformer_with_grouped_experts_matches_single_device_expert_paral
     load-balancing loss's gradients included) match one device."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run("moe_grouped", batch_rows=8)
-    pins = [("layers.*.feed_forward.w[123]", (S0, R)), *((f"grouped_mm{i}", (E, R)) for i in ("", "_1", "_2"))]
+    pins = [EXPERTS_OVER_DP, *((f"grouped_mm{i}", (E, R)) for i in ("", "_1", "_2"))]
     plan, lowered, pmod = plan_and_apply(mesh, "moe_grouped", pins, batch_rows=8)
     assert plan.nodes["grouped_mm_2"].inputs[0] == (E, R)  # the hidden units, where w1 and w3 left them
     with LocalTensorMode(8):
