@@ -121,6 +121,7 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
         "recompute_chains_tagged": lowered.recompute.chains,
         "recompute_nodes_tagged": lowered.recompute.nodes,
         "activation_recompute_nodes": lowered.activation_recompute,
+        "all_reduce_waits_sunk": lowered.waits.sunk,
         **{f"{k}_before_passes": v for k, v in plan.collective_counts().items()},
         **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items()},
         **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},

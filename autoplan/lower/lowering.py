@@ -33,6 +33,7 @@ from autoplan.lower.local_ops import in_layout_of, local_convolution, run_local
 from autoplan.lower.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.lower.passes.gather_fusion import FusionStats, fuse_gather_chains
+from autoplan.lower.passes.wait_sinking import WaitStats, sink_all_reduce_waits
 from autoplan.lower.validate import GraphCheckError, LoweringError, check_lowered
 from autoplan.plan import Plan, placements_str
 from autoplan.progress import progress
@@ -66,6 +67,7 @@ class LoweredGraph:
     activation_recompute: int = 0  # lowered forward nodes the plan's recompute choice runs again
     gather_fusion: FusionStats = FusionStats(0, 0)
     contiguity: ContiguityStats = ContiguityStats(0, 0)
+    waits: WaitStats = WaitStats(0)
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
         return count_collectives(graph or self.joint)
@@ -440,6 +442,7 @@ def lower(
     activations = _tag_recomputed(graph, recomputed)
     # last rewrite: the passes above match collective chains this would interrupt
     contiguity = make_collective_inputs_contiguous(graph)
+    waits = sink_all_reduce_waits(graph, REGION_KEY)  # moves waits only: no chain above is cut
     try:
         check_lowered(graph, mesh, stitcher.root)
     except GraphCheckError as e:
@@ -462,4 +465,5 @@ def lower(
         activation_recompute=activations,
         gather_fusion=fusion,
         contiguity=contiguity,
+        waits=waits,
     )
