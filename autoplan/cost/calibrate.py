@@ -4,11 +4,11 @@ The built-in profiles (``autoplan.cost.devices``) are datasheet figures for clus
 at hand. ``calibrate`` times this host's device instead:
 
 - matmuls of several sizes per dtype, each square and thin (an eighth and a thirty-second of the
-  rows): the fastest is
-  the dtype's peak, and each size's fraction of it makes the dtype's matmul curves in the profile's
-  ``kernel_efficiency``, one per shape (small matmuls reach less of the peak, and how much less
-  depends on the dtype: bf16 on tensor cores needs far larger products than fp32 to fill the
-  device; a thin one reaches less than a square one of the same FLOPs, ``devices.thinness``);
+  rows): the fastest is the dtype's peak, and each size's fraction of it makes the dtype's matmul
+  curves in the profile's ``kernel_efficiency``, one per shape (small matmuls reach less of the
+  peak, and how much less depends on the dtype: bf16 on tensor cores needs far larger products
+  than fp32 to fill the device; a thin one reaches less than a square one of the same FLOPs,
+  ``devices.thinness``);
 - causal attention (SDPA, forward and backward) at several sequence lengths per dtype, counted
   with the cost model's own FLOP formula: its fraction of the dtype's matmul peak is the
   dtype's attention curve;
@@ -16,9 +16,9 @@ at hand. ``calibrate`` times this host's device instead:
 - a one-element op: the launch and dispatch floor every kernel pays;
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
   all-to-all at several sizes on the real backend (on gloo each after a burst of compute, as a
-  training step issues them), fitted to the cost model's own alpha-beta
-  formulas (``network.flat_collective_seconds``) as one latency and one bandwidth for the link,
-  and each kind's own latency and bandwidth, where the backend runs it otherwise than the model
+  training step issues them), fitted to the cost model's own alpha-beta formulas
+  (``network.flat_collective_seconds``) as one latency and one bandwidth for the link, and each
+  kind's own latency and bandwidth, where the backend runs it otherwise than the model
   (``collective_links``: gloo's reduce-scatter reduces the whole tensor, no ring), and how much of
   a matmul loop's time an all-reduce issued beside it runs under (``comm_overlap``).
 Dtypes not measured keep their datasheet rate scaled like the first measured one; links not measured
@@ -230,7 +230,11 @@ def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say
 def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> float:
     """The fraction of a matmul loop's time that an all-reduce longer than it runs under, when the
     all-reduce is issued asynchronously beside it: what ``DeviceProfile.comm_overlap`` means (1 where
-    the backend has its own stream or engine, near 0 where both compete for the same cores)."""
+    the backend has its own stream or engine, near 0 where both compete for the same cores). Each
+    trial times the compute alone, the compute then the all-reduce, and the all-reduce beside the
+    compute, in turn: the saving over the serial pair, over the compute, is that trial's fraction,
+    and the median trial's is the profile's (the all-reduce timed alone and back to back runs faster
+    than after compute, and would credit overlap that is not there)."""
     n = 128 if opts.fast else 256
     a = torch.randn(n, n, device=device)
     buf = torch.ones(opts.collective_bytes[-1] // 4, device=device)
@@ -263,9 +267,9 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
         fractions.append(min(max((t_serial - t_both) / t_compute, 0.0), 1.0))
     fraction = statistics.median(fractions)
     say(
-        f"overlap: {loops} matmuls {t_compute * 1e3:.2f} ms, then an all-reduce {t_serial * 1e3:.2f} ms, beside it"
-        f" {t_both * 1e3:.2f} ms (last of {opts.repeats}): a median {fraction:.0%} of the compute ran beside"
-        " communication"
+        f"overlap: {loops} matmuls {t_compute * 1e3:.2f} ms, then an all-reduce after them {t_serial * 1e3:.2f} ms,"
+        f" beside them {t_both * 1e3:.2f} ms (last of {opts.repeats} trials): a median"
+        f" {fraction:.0%} of the compute ran beside communication"
     )
     return fraction
 
