@@ -16,8 +16,8 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.adapters.dtensor import flattened_group_name
+from autoplan.lower.collectives import c10d
 
-c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
 

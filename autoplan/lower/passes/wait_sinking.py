@@ -20,12 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
+from autoplan.lower.collectives import c10d
 from autoplan.trace.tracing import PHASE_KEY
-
-c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
