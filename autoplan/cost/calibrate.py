@@ -190,17 +190,20 @@ def _collective(kind: CollectiveKind, nbytes: int, group, device: torch.device) 
     return lambda: dist.all_to_all_single(out, shard, group=group)
 
 
-def _burst(seconds: float, device: torch.device, group, opts: CalibrateOptions) -> tuple[Callable[[], None], float]:
-    """(a matmul loop of about ``seconds``, the same loop count on every rank; its measured time)."""
-    a = torch.randn(128, 128, device=device)
+def _matmul_loop(
+    seconds: float, side: int, device: torch.device, group, opts: CalibrateOptions
+) -> tuple[Callable[[], None], int]:
+    """(a loop of (``side``, ``side``) matmuls lasting about ``seconds``, its matmul count): the
+    same count on every rank, so ranks that run it meet at the next collective alike."""
+    a = torch.randn(side, side, device=device)
     per_mm = _seconds(lambda: torch.mm(a, a), device, opts.repeats, inner=16)
     loops = _agreed(max(1, round(seconds / per_mm)), group)
 
-    def burst() -> None:
+    def loop() -> None:
         for _ in range(loops):
             torch.mm(a, a)
 
-    return burst, _seconds(burst, device, opts.repeats)
+    return loop, loops
 
 
 def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> list:
@@ -213,7 +216,10 @@ def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say
     2 cores: about a millisecond more per collective at every size)."""
     n = dist.get_world_size(group)
     gap = opts.collective_gap(device)
-    burst, t_burst = _burst(gap, device, group, opts) if gap else ((lambda: None), 0.0)
+    burst, t_burst = (lambda: None), 0.0
+    if gap:
+        burst, _ = _matmul_loop(gap, 128, device, group, opts)
+        t_burst = _seconds(burst, device, opts.repeats)
     rows = []
     with warnings.catch_warnings():  # torch 2.13 renames the tensor collectives; older torch lacks the new names
         warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
@@ -235,21 +241,14 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
     compute, in turn: the saving over the serial pair, over the compute, is that trial's fraction,
     and the median trial's is the profile's (the all-reduce timed alone and back to back runs faster
     than after compute, and would credit overlap that is not there)."""
-    n = 128 if opts.fast else 256
-    a = torch.randn(n, n, device=device)
     buf = torch.ones(opts.collective_bytes[-1] // 4, device=device)
 
     def comm():
         dist.all_reduce(buf, group=group)
 
     t_comm = _seconds(comm, device, opts.repeats)
-    per_mm = _seconds(lambda: torch.mm(a, a), device, opts.repeats, inner=4)
-    loops = max(1, int(0.5 * t_comm / per_mm))  # compute about half the all-reduce: all of it can hide
-    loops = _agreed(loops, group)
-
-    def compute():
-        for _ in range(loops):
-            torch.mm(a, a)
+    # compute about half the all-reduce: all of it can hide
+    compute, loops = _matmul_loop(0.5 * t_comm, 128 if opts.fast else 256, device, group, opts)
 
     def both():
         work = dist.all_reduce(buf, group=group, async_op=True)
