@@ -24,7 +24,7 @@ from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import H100_SXM, DeviceProfile, resolve_profile
 from autoplan.errors import ConstraintError
 from autoplan.heap import collector_paused
-from autoplan.lower.lowering import lower
+from autoplan.lower.lowering import LoweringOptions, lower
 from autoplan.lower.passes import alias_roundtrip
 from autoplan.lower.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
 from autoplan.plan import Plan, placements_str
@@ -122,6 +122,7 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
         "recompute_nodes_tagged": lowered.recompute.nodes,
         "activation_recompute_nodes": lowered.activation_recompute,
         "all_reduce_waits_sunk": lowered.waits.sunk,
+        "gathers_prefetched": lowered.prefetch.gathers,
         **{f"{k}_before_passes": v for k, v in plan.collective_counts().items()},
         **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items()},
         **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
@@ -480,6 +481,7 @@ class AutoParallel:
         return_dtensor: bool = False,
         reshard_after_forward: bool = True,
         fuse_gathers: bool = True,
+        prefetch: bool = False,
         remove_round_trips: bool = True,
         compile: bool = False,
     ) -> nn.Module:
@@ -491,7 +493,8 @@ class AutoParallel:
         value in its producer's placement read it there instead of through a differently placed
         alias; with ``reshard_after_forward`` (FSDP's contract) the backward re-gathers sharded
         parameters instead of keeping the gathered copies; with ``fuse_gathers`` chained per-mesh-dim
-        all-gathers become one over the flattened mesh. ``plan.passes`` reports what the passes did
+        all-gathers become one over the flattened mesh; with ``prefetch`` each parameter's gather is
+        issued a layer ahead of its use and waited for where it is read. ``plan.passes`` reports what the passes did
         and the collectives before and after them; the plan actually lowered is ``self.applied_plan``.
         With ``compile`` the forward and backward graphs run through Inductor region by region:
         identical layers share one compiled region, so deep models compile in seconds
@@ -508,9 +511,8 @@ class AutoParallel:
             else:
                 applied, trips = plan, RoundTripStats(0, 0)
             rerun = frozenset(n.name for n in recompute.chosen_nodes(tg.gm.graph, applied.recompute))
-            lowered = lower(
-                tg, applied, self.mesh, self._output_placements(), reshard_after_forward, fuse_gathers, rerun
-            )
+            options = LoweringOptions(reshard_after_forward, fuse_gathers, prefetch)
+            lowered = lower(tg, applied, self.mesh, self._output_placements(), options, rerun)
         regions: dict[fx.GraphModule, RegionStats] = {}
 
         def compile_graph(gm: fx.GraphModule) -> Callable:

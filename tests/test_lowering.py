@@ -12,6 +12,7 @@ from autoplan.lower.lowering import count_collectives
 
 R, S0 = Replicate(), Shard(0)
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,6 @@ def test_lowered_graphs_call_no_op_that_only_renames(lowered_llama):
     # each op the per-rank program calls costs a dispatch: a view to its input's own shape, a detach
     # and a transpose transposed back change nothing and are not called
     _, lowered, _, _ = lowered_llama
-    aten = torch.ops.aten
     renames = (aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.detach.default)
     for gm in (lowered.forward, lowered.backward):
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -189,7 +189,7 @@ def test_a_nested_shards_chunk_of_a_gathered_weight_is_re_gathered():
     stats = tag_parameter_gathers(gm.graph, {w})
     picked = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.index_select.default)
     assert stats.chains == 1 and picked.meta.get(RECOMPUTE_KEY)
-    forward, backward_gm = partition(gm, 1)
+    forward, backward_gm, _ = partition(gm, 1)
     saved = [n for n in backward_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangent")]
     inputs = {n.name for n in gm.graph.find_nodes(op="placeholder")}
     assert [n.name for n in saved if n.name not in inputs and n.meta["val"].numel() > 2] == []
@@ -257,3 +257,54 @@ def test_gradient_all_reduces_are_waited_for_where_read_and_keep_the_numerics():
     with LocalTensorMode(8):
         r = parallel_run(mesh, pmod, ref, False, plain=one_value)
     check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "inductor"])
+def test_parameter_gathers_are_issued_a_layer_ahead_and_keep_the_numerics(compiled):
+    """FSDP on 8 simulated ranks: each layer's weight gathers are issued before the previous layer
+    (in the order each graph runs them) does its first matmul, their waits stay in their own layer,
+    the collectives are those of the unprefetched program, and three AdamW steps
+    still match one device, eager and with regions compiled (a prefetched gather's region hands
+    its un-waited result to the next layer's)."""
+    from parallel_run import check_run, graph_report, one_value, parallel_run, plan_and_apply, reference_run
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from autoplan.lower.lowering import REGION_KEY
+
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    ref = reference_run("llama", batch_rows=8)
+    pins = [("*weight", (S0, R))]
+    _, plain, _ = plan_and_apply(mesh, "llama", pins, batch_rows=8)
+    plan, lowered, pmod = plan_and_apply(mesh, "llama", pins, batch_rows=8, prefetch=True, compile=compiled)
+    assert plain.prefetch.gathers == 0 and lowered.prefetch.gathers == plan.passes["gathers_prefetched"]
+    for graph, order in ((lowered.forward.graph, 1), (lowered.backward.graph, -1)):
+        nodes = list(graph.nodes)
+        at = {n: i for i, n in enumerate(nodes)}
+        layers = sorted({t for n in nodes if (t := n.meta.get(REGION_KEY, "")).startswith("layers.")})[::order]
+        assert len(layers) == 2
+        mms = [n for n in nodes if n.target is aten.mm.default]
+        first_mm = {t: min(at[n] for n in mms if n.meta.get(REGION_KEY) == t) for t in layers}
+        gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+        weights = [g for g in gathers if g.meta.get(REGION_KEY) == layers[1] and _feeds_matmul(g)]
+        assert len(weights) == 7  # the attention's four projections, the feed-forward's three
+        for g in weights:  # issued before the previous layer computes, waited for in its own
+            (wait,) = g.users
+            assert at[g] < first_mm[layers[0]] < at[wait] and wait.meta.get(REGION_KEY) == layers[1]
+    assert lowered.collective_counts(lowered.forward) == plain.collective_counts(plain.forward)
+    assert lowered.collective_counts(lowered.backward) == plain.collective_counts(plain.backward)
+    with LocalTensorMode(8):
+        r = parallel_run(mesh, pmod, ref, False, plain=one_value)
+    check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
+
+
+def _feeds_matmul(gather) -> bool:
+    """A gathered weight read by a matmul through views."""
+    frontier, seen = [gather], set()
+    while frontier:
+        n = frontier.pop()
+        if n.target is aten.mm.default:
+            return True
+        if n not in seen and (n is gather or n.target in (c10d.wait_tensor.default, aten.t.default, aten.view.default)):
+            seen.add(n)
+            frontier.extend(n.users)
+    return False

@@ -33,6 +33,7 @@ from autoplan.lower.local_ops import in_layout_of, local_convolution, run_local
 from autoplan.lower.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
 from autoplan.lower.passes.gather_fusion import FusionStats, fuse_gather_chains
+from autoplan.lower.passes.prefetch import PrefetchStats, prefetch_parameter_gathers
 from autoplan.lower.passes.wait_sinking import WaitStats, sink_all_reduce_waits
 from autoplan.lower.validate import GraphCheckError, LoweringError, check_lowered
 from autoplan.plan import Plan, placements_str
@@ -68,6 +69,7 @@ class LoweredGraph:
     gather_fusion: FusionStats = FusionStats(0, 0)
     contiguity: ContiguityStats = ContiguityStats(0, 0)
     waits: WaitStats = WaitStats(0)
+    prefetch: PrefetchStats = PrefetchStats(0, 0)
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
         return count_collectives(graph or self.joint)
@@ -153,12 +155,15 @@ def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict, coordinate
     return DTensor.from_local(result, mesh, chosen.outputs[0], run_check=False)
 
 
-def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+def partition(
+    joint: fx.GraphModule, n_outputs: int, prefetch: frozenset[str] = frozenset()
+) -> tuple[fx.GraphModule, fx.GraphModule, PrefetchStats]:
     """Split the per-rank joint graph at the forward/backward boundary.
 
     The backward reads saved forward values, except chains tagged must-recompute (FSDP parameter
     gathers, and the ops of layers the plan recomputes), which it runs again from their saved
-    inputs. Nothing else is recomputed, so every other collective runs exactly once.
+    inputs. Nothing else is recomputed, so every other collective runs exactly once. The gathers of
+    the parameters named in ``prefetch`` are issued a layer ahead in both graphs (``passes.prefetch``).
 
     Forward: primals -> (model outputs..., saved...). Backward: (saved..., tangents...) -> gradients.
     """
@@ -197,7 +202,9 @@ def partition(joint: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, fx
     bwd.output([benv[o] if isinstance(o, fx.Node) else o for o in outputs[n_outputs:]])
     fwd.eliminate_dead_code()
     bwd.eliminate_dead_code()
-    return fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd)
+    a, b = (prefetch_parameter_gathers(g, REGION_KEY, prefetch) for g in (fwd, bwd))
+    moved = PrefetchStats(a.gathers + b.gathers, a.nodes + b.nodes)
+    return fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd), moved
 
 
 def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
@@ -415,13 +422,21 @@ def _tag_recomputed(graph: fx.Graph, recomputed: frozenset[str]) -> int:
     return len(hits)
 
 
+@dataclass(frozen=True)
+class LoweringOptions:
+    """How the per-rank program is built (``AutoParallel.apply_placement`` documents each)."""
+
+    reshard_after_forward: bool = True  # backward re-gathers sharded parameters (FSDP)
+    fuse_gathers: bool = True  # chained per-mesh-dim all-gathers become one
+    prefetch: bool = False  # parameter gathers issued a layer ahead of their use (opt-in, see passes.prefetch)
+
+
 def lower(
     tg: TracedGraph,
     plan: Plan,
     mesh: DeviceMesh,
     fixed_outputs: dict[int, Placements],
-    reshard_after_forward: bool = True,
-    fuse_gathers: bool = True,
+    options: LoweringOptions = LoweringOptions(),
     recomputed: frozenset[str] = frozenset(),
 ) -> LoweredGraph:
     """The per-rank forward and backward graphs of ``plan``; ``recomputed`` names the traced forward
@@ -435,10 +450,10 @@ def lower(
     _drop_identity_views(graph)
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(graph, n_outputs)
-    fusion = fuse_gather_chains(graph, mesh) if fuse_gathers else FusionStats(0, 0)
+    fusion = fuse_gather_chains(graph, mesh) if options.fuse_gathers else FusionStats(0, 0)
     labels = [COORDINATE, *tg.input_labels]
     params = {n for n, (kind, _) in zip(graph.find_nodes(op="placeholder"), labels) if kind == "param"}
-    recompute = tag_parameter_gathers(graph, params) if reshard_after_forward else RecomputeStats(0, 0)
+    recompute = tag_parameter_gathers(graph, params) if options.reshard_after_forward else RecomputeStats(0, 0)
     activations = _tag_recomputed(graph, recomputed)
     # last rewrite: the passes above match collective chains this would interrupt
     contiguity = make_collective_inputs_contiguous(graph)
@@ -448,7 +463,8 @@ def lower(
     except GraphCheckError as e:
         raise LoweringError(str(e)) from e
     gm = fx.GraphModule(stitcher.root, graph)  # generated once, after every rewrite (codegen is slow on 8B)
-    forward, backward = partition(gm, n_outputs)
+    ahead = frozenset(p.name for p in params) if options.prefetch else frozenset()
+    forward, backward, prefetched = partition(gm, n_outputs, ahead)
     return LoweredGraph(
         joint=gm,
         forward=forward,
@@ -466,4 +482,5 @@ def lower(
         gather_fusion=fusion,
         contiguity=contiguity,
         waits=waits,
+        prefetch=prefetched,
     )

@@ -33,7 +33,8 @@ from autoplan.lower.lowering import REGION_KEY, partition
 
 
 def _plan_partition(joint, _joint_inputs, *, num_fwd_outputs: int, **_unused):
-    return partition(joint, num_fwd_outputs)
+    forward, backward, _ = partition(joint, num_fwd_outputs)
+    return forward, backward
 
 
 def backend() -> Callable:

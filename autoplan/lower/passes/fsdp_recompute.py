@@ -56,7 +56,7 @@ def _is_forward(n: fx.Node) -> bool:
     return n.meta.get("partitioner_tag") == "is_forward"
 
 
-def _from_parameter(n: fx.Node, params: set[fx.Node]) -> bool:
+def from_parameter(n: fx.Node, params: set[fx.Node]) -> bool:
     """Does ``n`` read a parameter through cheap single-input ops only?"""
     while n not in params:
         if n.op != "call_function" or n.target not in _CHEAP or len(n.all_input_nodes) != 1:
@@ -72,7 +72,7 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
     for n in graph.nodes:
         if not (_is_forward(n) and n.target is c10d.all_gather_into_tensor.default):
             continue
-        if n in tagged or not _from_parameter(n.args[0], params):
+        if n in tagged or not from_parameter(n.args[0], params):
             continue
         chains += 1
         frontier = [n]

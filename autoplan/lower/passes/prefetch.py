@@ -1,0 +1,93 @@
+"""Prefetch: issue each parameter's all-gather a layer ahead of its use, wait for it where it is read.
+
+The lowering emits a collective right before the op that reads its result, so a rank that gathers
+a sharded weight (FSDP) computes nothing while the gather runs. A parameter's gather depends on
+nothing the step computes, so it can be issued as early as the program likes; FSDP issues the next
+layer's gathers while the current layer computes, and the overlap model (``cost.overlap``) prices
+parameter moves as hidden under their layer's compute on that assumption. This pass makes the
+program do what is priced: in a partitioned forward or backward graph, every all-gather of a
+parameter (its shard read through views and casts; in the backward, the saved shard of a
+re-gathered weight) moves, with the cheap chain that feeds it, to the start of the stretch of nodes
+before its own (the previous layer instance, in the order the graph runs them). Its ``wait_tensor``
+stays where it was, right before the first reader.
+
+Stretches are runs of one ``REGION_KEY`` value along the graph. A moved gather keeps its own
+layer's tag, so regional compilation puts the gathers a layer issues early in a small region of
+their own (run eagerly: no compute) before the previous layer's region, whose structure, like
+every layer's, no longer holds any gather: identical layers still share one compiled region.
+
+A prefetched gathered weight is alive one stretch longer, and the memory model does not count that
+yet, so the pass is opt-in (``apply_placement(prefetch=True)``): the planner's peak estimate and
+its caps hold for the program without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autoplan.lower.collectives import c10d
+from autoplan.lower.passes.fsdp_recompute import from_parameter
+
+
+@dataclass(frozen=True)
+class PrefetchStats:
+    gathers: int  # parameter all-gathers issued a stretch ahead of their use
+    nodes: int  # nodes moved with them (the gathers and the chains feeding them)
+
+
+def stretches(graph: fx.Graph, region_key: str) -> dict[fx.Node, int]:
+    """The stretch index of every call node: a new stretch starts where the region tag changes.
+    A node without a tag stays in the stretch it appears in."""
+    index: dict[fx.Node, int] = {}
+    current, tag = 0, None
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.meta.get(region_key)
+        if t is not None and t != tag:
+            current += tag is not None
+            tag = t
+        index[n] = current
+    return index
+
+
+def _chain(gather: fx.Node) -> list[fx.Node]:
+    """The gather and the call nodes feeding it, up from its parameter, in graph order."""
+    chain, n = [gather], gather.args[0]
+    while n.op == "call_function":
+        chain.append(n)
+        n = n.all_input_nodes[0]
+    return chain[::-1]
+
+
+def prefetch_parameter_gathers(graph: fx.Graph, region_key: str, params: set[str]) -> PrefetchStats:
+    """Move every all-gather of a parameter (one of the placeholders named ``params``, read through
+    cheap ops only), with its chain, to the start of the stretch before its own; rewrites ``graph``
+    in place."""
+    sources = {n for n in graph.find_nodes(op="placeholder") if n.name in params}
+    stretch = stretches(graph, region_key)
+    chains = [
+        _chain(g)
+        for g in graph.nodes
+        if g.target is c10d.all_gather_into_tensor.default and from_parameter(g.args[0], sources)
+    ]
+    moving = {n for chain in chains for n in chain}
+    starts: dict[int, fx.Node] = {}  # each stretch's first node that stays
+    for n, s in stretch.items():
+        if n not in moving:
+            starts.setdefault(s, n)
+    position = {n: float(i) for i, n in enumerate(graph.nodes)}
+    gathers = nodes = 0
+    for chain in chains:
+        anchor = starts.get(stretch[chain[-1]] - 1)
+        if anchor is None:
+            continue
+        late = [n for n in chain if position[n] > position[anchor]]  # a shared view may be early already
+        for n in late:
+            anchor.prepend(n)
+            position[n] = position[anchor] - 0.5
+        gathers += 1
+        nodes += len(late)
+    return PrefetchStats(gathers, nodes)
