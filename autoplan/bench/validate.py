@@ -71,10 +71,11 @@ def _model(args: argparse.Namespace, ndim: int, dp: int) -> tuple[Callable, Call
     return (lambda: named_model(args.model, getattr(torch, args.dtype), args.layers, ndim)[0]), (lambda: tokens)
 
 
-def _prepare(name: str, ap, device: str) -> _Run:
-    """Plan ``name`` (the ILP's, or a hand plan's pins) on ``ap``'s trace and materialise it."""
+def _prepare(name: str, ap, device: str, prefetch: bool) -> _Run:
+    """Plan ``name`` (the ILP's, or a hand plan's pins) on ``ap``'s trace and materialise it (its
+    parameter gathers issued a layer ahead with ``prefetch``)."""
     plan = ap.optimize_placement() if name == "autoplan" else hand_plan(ap, name, ap.mesh.ndim)
-    pmod = ap.apply_placement(plan)
+    pmod = ap.apply_placement(plan, prefetch=prefetch)
     lowered = ap.lowered
     pmod.to_empty(device=device)
     torch.manual_seed(0)
@@ -167,7 +168,7 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
         ap.add_output_constraints([io])
         for name in names:  # every plan from the one trace
             try:
-                runs.append(_prepare(name, ap, device))
+                runs.append(_prepare(name, ap, device, args.prefetch))
             except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
                 refused[name] = str(e).splitlines()[0]
     local = distribute_tensor(input_fn().to(device), mesh, io).to_local()
@@ -254,4 +255,5 @@ def add_parser(sub) -> None:
     v.add_argument("--steps", type=int, default=5, help="measured steps per plan (median)")
     v.add_argument("--device", choices=("cpu", "cuda"), default=None)
     v.add_argument("--json", default=None, help="write the numbers to this file")
+    v.add_argument("--prefetch", action="store_true", help="issue parameter gathers a layer ahead of their use")
     v.set_defaults(run=run_validate)
