@@ -494,7 +494,8 @@ class AutoParallel:
         alias; with ``reshard_after_forward`` (FSDP's contract) the backward re-gathers sharded
         parameters instead of keeping the gathered copies; with ``fuse_gathers`` chained per-mesh-dim
         all-gathers become one over the flattened mesh; with ``prefetch`` each parameter's gather is
-        issued a layer ahead of its use and waited for where it is read. ``plan.passes`` reports what the passes did
+        issued a layer ahead of its use and waited for where it is read (NCCL meshes: gloo cannot run
+        it, see ``LoweringOptions.check``). ``plan.passes`` reports what the passes did
         and the collectives before and after them; the plan actually lowered is ``self.applied_plan``.
         With ``compile`` the forward and backward graphs run through Inductor region by region:
         identical layers share one compiled region, so deep models compile in seconds

@@ -96,6 +96,7 @@ def _checkpoint_worker(rank: int, path: str) -> bool:
     from torch.distributed.tensor import DTensor
 
     from autoplan import AutoParallel
+    from autoplan.lower.validate import LoweringError
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -106,6 +107,8 @@ def _checkpoint_worker(rank: int, path: str) -> bool:
         ap.add_input_constraints([(S0, R)])
         ap.add_memory_constraint(param_fraction=1 / 4)
         plan = ap.optimize_placement()
+        with pytest.raises(LoweringError, match="gloo"):  # parameter gathers in flight: gloo aborts
+            ap.apply_placement(plan, prefetch=True)
         saved, restored = ap.apply_placement(plan), ap.apply_placement(plan)
     saved.to_empty(device="cpu")
     saved.load_state_dict(ref.state_dict())

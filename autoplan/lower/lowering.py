@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -430,6 +431,19 @@ class LoweringOptions:
     fuse_gathers: bool = True  # chained per-mesh-dim all-gathers become one
     prefetch: bool = False  # parameter gathers issued a layer ahead of their use (opt-in, see passes.prefetch)
 
+    def check(self, mesh: DeviceMesh) -> None:
+        """Refuse what the mesh's backend cannot run. Gloo (torch 2.13) corrupts its heap when
+        several all-gathers are in flight while another collective is issued (measured: nine
+        parameter-sized gathers then an all-reduce, an all-to-all or another gather, repeated,
+        abort within 100 steps in most runs; all-reduces in flight beside others never did), and
+        prefetching does exactly that."""
+        if self.prefetch and dist.is_initialized() and dist.get_backend(mesh.get_group(0)) == "gloo":
+            raise LoweringError(
+                "prefetch=True keeps a layer's parameter all-gathers in flight while other collectives "
+                "run, which gloo does not survive (heap corruption); prefetch on NCCL meshes, or apply "
+                "the plan without it on gloo"
+            )
+
 
 def lower(
     tg: TracedGraph,
@@ -441,6 +455,7 @@ def lower(
 ) -> LoweredGraph:
     """The per-rank forward and backward graphs of ``plan``; ``recomputed`` names the traced forward
     ops the backward runs again instead of reading saved (``autoplan.trace.recompute``)."""
+    options.check(mesh)
     targets = output_targets(tg, plan, fixed_outputs)
     placeholders = tg.placeholders
     in_pl = [plan.nodes[p.name].outputs[0] for p in placeholders]

@@ -18,7 +18,8 @@ every layer's, no longer holds any gather: identical layers still share one comp
 
 A prefetched gathered weight is alive one stretch longer, and the memory model does not count that
 yet, so the pass is opt-in (``apply_placement(prefetch=True)``): the planner's peak estimate and
-its caps hold for the program without it.
+its caps hold for the program without it. It is refused on gloo, which does not survive gathers in
+flight beside other collectives (``LoweringOptions.check``); NCCL orders them on its stream.
 """
 
 from __future__ import annotations
