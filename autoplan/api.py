@@ -24,7 +24,7 @@ from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import H100_SXM, DeviceProfile, resolve_profile
 from autoplan.errors import ConstraintError
 from autoplan.heap import collector_paused
-from autoplan.lower.lowering import LoweringOptions, lower
+from autoplan.lower.lowering import LoweringOptions, collectives_per_layer, lower
 from autoplan.lower.passes import alias_roundtrip
 from autoplan.lower.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
 from autoplan.plan import Plan, placements_str
@@ -111,7 +111,8 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
 
     Before: the solved plan's redistributions. After round trips: the rewired plan's (``local`` counts
     shard-slicing steps, which is what a removed round trip's return leg usually is). After all
-    passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added).
+    passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added),
+    and of those, what one repeated layer runs in each phase.
     """
     return {
         "round_trips_removed": trips.removed,
@@ -126,6 +127,8 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
         **{f"{k}_before_passes": v for k, v in plan.collective_counts().items()},
         **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items()},
         **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
+        **{f"{k}_per_layer_forward": v for k, v in collectives_per_layer(lowered.forward).items()},
+        **{f"{k}_per_layer_backward": v for k, v in collectives_per_layer(lowered.backward).items()},
     }
 
 

@@ -398,7 +398,7 @@ _HEAVY_OPS = {
 }
 
 
-_PASS_STAGES = ("before_passes", "after_round_trips", "after_passes")
+_PASS_STAGES = ("before_passes", "after_round_trips", "after_passes", "per_layer_forward", "per_layer_backward")
 
 
 def _pass_lines(passes: dict[str, int]) -> list[str]:

@@ -48,6 +48,10 @@ def test_llama3_8b_lowering_matches_the_plan():
     assert passes["gather_chains_fused"] > 0 and passes["recompute_chains_tagged"] > 0
     assert passes["reduce_scatter_after_passes"] == planned["reduce_scatter"]
     assert passes["all_reduce_after_passes"] == planned["all_reduce"]
+    # what one of the 32 layers runs, the unit bucketing would make one collective per group
+    for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")):
+        per_layer = passes[f"{kind}_per_layer_{phase}"]
+        assert 0 < 32 * per_layer <= result["collectives"][phase][kind]
 
 
 def test_llama3_8b_peak_caps_down_to_an_impossible_one():

@@ -81,6 +81,18 @@ def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
     return dict(sorted(Counter(k for n in gm.graph.nodes if (k := collective_kind(n))).items()))
 
 
+def collectives_per_layer(gm: fx.GraphModule) -> dict[str, int]:
+    """Data-moving collectives per kind in a typical repeated-layer instance of ``gm`` (the counts
+    most instances run; a boundary layer planned on its own may differ): what bucketing a layer's
+    collectives shrinks."""
+    per: dict[str, Counter] = {}
+    for n in gm.graph.nodes:
+        if (kind := collective_kind(n)) and (layer := n.meta.get(REGION_KEY)):
+            per.setdefault(layer, Counter())[kind] += 1
+    typical = Counter(tuple(sorted(c.items())) for c in per.values()).most_common(1)
+    return dict(typical[0][0]) if typical else {}
+
+
 def output_targets(tg: TracedGraph, plan: Plan, fixed_outputs: dict[int, Placements]) -> list[Placements | None]:
     """Where each graph output must end up: constrained outputs, gradients in their parameter's placement."""
     params = tg.placeholder_for("param")
