@@ -160,6 +160,9 @@ class AutoParallel:
     ``memory.ADAMW``, is mixed-precision AdamW (two fp32 states, and an fp32 master copy of
     parameters stored in a lower precision); ``memory.TORCH_ADAMW`` is ``torch.optim.AdamW`` run on
     the parameters as they are (two states in each parameter's dtype).
+    ``prefetch``: the parallel module issues each layer's parameter gathers while the layer before
+    it computes (``apply_placement``'s default); the memory estimate then counts the gathered
+    weights from where they are issued. NCCL meshes only: gloo does not survive it.
     """
 
     def __init__(
@@ -179,6 +182,7 @@ class AutoParallel:
         attention: str = "auto",
         optimizer: memory.OptimizerSpec = memory.ADAMW,
         expert_imbalance: float = 1.0,
+        prefetch: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -199,6 +203,7 @@ class AutoParallel:
                 f"expert_imbalance={expert_imbalance!r}: the busiest expert-parallel rank's tokens over the mean, >= 1"
             )
         self.expert_imbalance = float(expert_imbalance)
+        self.prefetch = bool(prefetch)
         self.solve_options = SolveOptions(backend=solver_backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
         self._inputs: dict[int, tuple[str, Placements]] = {}  # graph input -> (how the user named it, placements)
         self._outputs: dict[int, Placements] = {}
@@ -484,7 +489,7 @@ class AutoParallel:
         return_dtensor: bool = False,
         reshard_after_forward: bool = True,
         fuse_gathers: bool = True,
-        prefetch: bool = False,
+        prefetch: bool | None = None,
         remove_round_trips: bool = True,
         compile: bool = False,
     ) -> nn.Module:
@@ -496,9 +501,10 @@ class AutoParallel:
         value in its producer's placement read it there instead of through a differently placed
         alias; with ``reshard_after_forward`` (FSDP's contract) the backward re-gathers sharded
         parameters instead of keeping the gathered copies; with ``fuse_gathers`` chained per-mesh-dim
-        all-gathers become one over the flattened mesh; with ``prefetch`` each parameter's gather is
-        issued a layer ahead of its use and waited for where it is read (NCCL meshes: gloo cannot run
-        it, see ``LoweringOptions.check``). ``plan.passes`` reports what the passes did
+        all-gathers become one over the flattened mesh; with ``prefetch`` (by default as the planner
+        was told, see the class) each parameter's gather is issued a layer ahead of its use and
+        waited for where it is read (NCCL meshes: gloo cannot run it, see ``LoweringOptions.check``).
+        ``plan.passes`` reports what the passes did
         and the collectives before and after them; the plan actually lowered is ``self.applied_plan``.
         With ``compile`` the forward and backward graphs run through Inductor region by region:
         identical layers share one compiled region, so deep models compile in seconds
@@ -515,7 +521,8 @@ class AutoParallel:
             else:
                 applied, trips = plan, RoundTripStats(0, 0)
             rerun = frozenset(n.name for n in recompute.chosen_nodes(tg.gm.graph, applied.recompute))
-            options = LoweringOptions(reshard_after_forward, fuse_gathers, prefetch)
+            ahead = self.prefetch if prefetch is None else prefetch
+            options = LoweringOptions(reshard_after_forward, fuse_gathers, ahead)
             lowered = lower(tg, applied, self.mesh, self._output_placements(), options, rerun)
         regions: dict[fx.GraphModule, RegionStats] = {}
 
@@ -558,6 +565,7 @@ class AutoParallel:
             "solve_options": self.solve_options,
             "merge_followers": self.merge_followers,
             "expert_imbalance": self.expert_imbalance,
+            "prefetch": self.prefetch,
         }
         key = tuple(settings.values())
         if self._planner_for != key:

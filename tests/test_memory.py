@@ -22,22 +22,25 @@ IO = (Shard(0), Replicate())
 
 
 @pytest.mark.parametrize(
-    "model, layers, mesh, recompute, tolerance",
+    "model, layers, mesh, recompute, tolerance, prefetch",
     [
-        ("llama3-debug", None, "2x2", None, 0.05),
-        pytest.param("llama3-debug", None, "2x2", "full", 0.15, marks=pytest.mark.slow),
-        pytest.param("llama3-debug", None, "2x4", None, 0.05, marks=pytest.mark.slow),
+        ("llama3-debug", None, "2x2", None, 0.05, False),
+        # each layer's parameter gathers issued while the layer before it computes
+        ("llama3-debug", None, "2x2", None, 0.05, True),
+        pytest.param("llama3-debug", None, "2x2", "full", 0.15, False, marks=pytest.mark.slow),
+        pytest.param("llama3-debug", None, "2x4", None, 0.05, False, marks=pytest.mark.slow),
         # 8B dims, local batch 1x1024 (~2 min and 3.8, 4.3 and 7.4 GiB each); 2 layers on 16x8 at +5.3%:
         # its embedding now stored (Shard(1), Shard(0)), the gradient's column chunk is over-counted
-        pytest.param("llama3-8b", 2, "16x8", None, 0.06, marks=pytest.mark.slow),
-        pytest.param("llama3-8b", 4, "16x8", None, 0.05, marks=pytest.mark.slow),
-        pytest.param("llama3-8b", 2, "128", None, 0.05, marks=pytest.mark.slow),
+        pytest.param("llama3-8b", 2, "16x8", None, 0.06, False, marks=pytest.mark.slow),
+        pytest.param("llama3-8b", 4, "16x8", None, 0.05, False, marks=pytest.mark.slow),
+        pytest.param("llama3-8b", 2, "128", None, 0.05, False, marks=pytest.mark.slow),
         # a mixture of experts: the routed capacity buffers, expert matmuls and all-to-alls
-        ("moe-debug", None, "2x2", None, 0.05),
-        pytest.param("deepseek-v3-16b", 2, "16x8", None, 0.05, marks=pytest.mark.slow),
+        ("moe-debug", None, "2x2", None, 0.05, False),
+        pytest.param("moe-debug", None, "2x2", None, 0.05, True, marks=pytest.mark.slow),
+        pytest.param("deepseek-v3-16b", 2, "16x8", None, 0.05, False, marks=pytest.mark.slow),
     ],
 )
-def test_estimated_peak_is_within_15_percent_of_measured(model, layers, mesh, recompute, tolerance):
+def test_estimated_peak_is_within_15_percent_of_measured(model, layers, mesh, recompute, tolerance, prefetch):
     """Rank 0's lowered step (fp32) runs for real on the fake process group (allocations tracked by
     the profiler's memory timeline) beside the plan's liveness-walk estimate. Without recompute the
     two agree within 5%: +0.0% on LLaMA-3 debug 2x2, -0.8% on the MoE debug model on 2x2 and +4.5%
@@ -60,9 +63,11 @@ def test_estimated_peak_is_within_15_percent_of_measured(model, layers, mesh, re
         dtype="float32",
         json=None,
         recompute=recompute,
+        prefetch=prefetch,
     )
     r = run_memory(args)
     assert (r["recompute"] != {}) == (recompute is not None)
+    assert (r["passes"]["gathers_prefetched"] > 0) == prefetch
     assert 1 - tolerance <= r["estimate_over_measured"] <= 1 + tolerance, r
     assert r["estimate"]["activation_bytes"] > 0 and r["estimate"]["peak_parts"]
 

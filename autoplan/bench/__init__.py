@@ -59,7 +59,11 @@ def _planned(args: argparse.Namespace):
     batch, seq = model_batch(cfg, args.batch, args.seq, shape[0])
     vocab = cfg.vocab_size
     ap = AutoParallel(
-        model, mesh, input_fn=lambda: torch.randint(0, vocab, (batch, seq)), device_profile=_profile(args)
+        model,
+        mesh,
+        input_fn=lambda: torch.randint(0, vocab, (batch, seq)),
+        device_profile=_profile(args),
+        prefetch=getattr(args, "prefetch", False),
     )
     with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
@@ -284,6 +288,7 @@ def _programs(args: argparse.Namespace, keep_plan: bool = False) -> tuple[list[_
         "param_placements": {k: str(v) for k, v in plan.param_placements.items()},
         "planned_cost_s": plan.cost.total,
         "device_profile": plan.device,
+        "passes": plan.passes,
     }
     if keep_plan:
         info["plan"] = plan
@@ -530,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute", choices=("none", "selective", "full"), default=None, help="pin every layer's recompute option"
     )
     m.add_argument("--cap", type=float, default=None, help="cap the estimated peak per device (GiB)")
+    m.add_argument("--prefetch", action="store_true", help="gather each layer's parameters a layer ahead")
     c = sub.add_parser("compare", help="the ILP's plan against DDP, FSDP, HSDP and FSDP+TP under one cost model")
     for action in p._actions[1:]:
         c._add_action(action)

@@ -16,7 +16,9 @@ lowered per-rank program runs in. At each step the live bytes are:
   redistributes each input inside the op's own segment, so the moved copy is not kept); likewise
   a gradient's move into its parameter's placement where it is produced, and the model outputs'
   moves at the forward's end. A view of a moved input owns the moved copy until the last reader
-  of it or its views.
+  of it or its views. Where the lowering prefetches (``Schedule.issued``), a parameter an op reads
+  gathered is alive from the first step of the stretch (a layer instance in one phase) before the
+  op's, where its gather is issued.
 
 A step has two moments. While its inputs move, before the op makes anything, each move holds the
 buffers its collectives make around themselves (a gather on a non-leading dim holds the gathered
@@ -35,7 +37,7 @@ move's bytes over the placements at its two ends, which is linear in the placeme
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -49,7 +51,7 @@ from autoplan.cost.costs import Price, local_bytes
 from autoplan.cost.moves import Move
 from autoplan.plan import MemoryReport
 from autoplan.shard.strategies import Strategy, aliases_input, output_vals, value_of
-from autoplan.trace.recompute import closure, just_in_time
+from autoplan.trace.recompute import closure, just_in_time, layer_of
 from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 
 
@@ -120,6 +122,8 @@ class Schedule:
     resident: frozenset[fx.Node]  # parameters, buffers, inputs, constants: alive throughout
     forward_end: int  # the last forward step
     n_steps: int
+    param_values: frozenset[fx.Node] = frozenset()  # parameters and their forward views
+    issued: dict[Key, int] = field(default_factory=dict)  # op reading param_values -> its gathers' step
 
 
 def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[Key], dict[Key, list[Key]]]:
@@ -158,12 +162,37 @@ def regathered(nodes: list[fx.Node], params: set[fx.Node]) -> frozenset[fx.Node]
     return frozenset(found)
 
 
-def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> Schedule:
+def prefetch_steps(order: list[Key], step: dict[Key, int], reading: list[Key]) -> dict[Key, int]:
+    """For each of ``reading`` (ops reading a parameter), the step the lowering's prefetch issues
+    its parameters' gathers at (``lower.passes.prefetch``): the first step of the stretch before its
+    own, a stretch being a run of one layer instance in one phase (the forward and the backward are
+    graphs of their own: a backward op's gathers are never issued in the forward)."""
+    first: list[int] = []  # each stretch's first step, -1 before the backward's first
+    index: dict[Key, int] = {}
+    previous = None
+    for k in order:
+        n = node_of(k)
+        if n.op != "call_function":
+            continue
+        late = isinstance(k, Recomputed) or n.meta.get(PHASE_KEY) == "backward"
+        tag = (layer_of(n), late)
+        if tag != previous:
+            if previous is not None and previous[1] != late:
+                first.append(-1)
+            first.append(step[k])
+            previous = tag
+        index[k] = len(first) - 1
+    return {k: first[index[k] - 1] if index[k] > 0 and first[index[k] - 1] >= 0 else step[k] for k in reading}
+
+
+def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset(), prefetch: bool = False) -> Schedule:
     """The schedule of the joint graph; ``recomputed``: forward ops the backward runs again (the
-    parameters' gathered views always are, see ``regathered``)."""
+    parameters' gathered views always are, see ``regathered``); ``prefetch``: the lowering gathers
+    each op's parameters a stretch ahead of it (``Schedule.issued``)."""
     nodes = [n for n in tg.gm.graph.nodes if n.op in ("placeholder", "call_function", "get_attr")]
     params = set(tg.placeholder_for("param").values())
-    order, inputs = _order(nodes, recomputed | regathered(nodes, params))
+    views = regathered(nodes, params)
+    order, inputs = _order(nodes, recomputed | views)
     step = {k: i for i, k in enumerate(order)}
     last = len(order) - 1
     forward_end = max((step[n] for n in nodes if n.meta.get(PHASE_KEY) == "forward"), default=last)
@@ -198,8 +227,24 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset()) -> S
             dies[k] = last
     for n in resident:
         born[n], dies[n] = 0, last
+    param_values = frozenset(params | views)
+    calls = (k for k in order if node_of(k).op == "call_function")
+    reading = [k for k in calls if any(node_of(a) in param_values for a in inputs[k])]
+    issued = prefetch_steps(order, step, reading) if prefetch else {}
     return Schedule(
-        tuple(order), step, owner, born, last_use, view_last, reads, dies, resident, forward_end, len(order)
+        tuple(order),
+        step,
+        owner,
+        born,
+        last_use,
+        view_last,
+        reads,
+        dies,
+        resident,
+        forward_end,
+        len(order),
+        param_values,
+        issued,
     )
 
 
@@ -299,6 +344,19 @@ def _moved_inputs(n: fx.Node, chosen: dict[fx.Node, Strategy], move: Price) -> f
     return total
 
 
+def _gathered_params(n: fx.Node, chosen: dict[fx.Node, Strategy], values: frozenset[fx.Node], mesh_shape) -> int:
+    """Bytes of the copies ``n`` reads of parameter values (``values``) in a larger local shard than
+    they are made in: the gathers the lowering's prefetch issues ahead of ``n``."""
+    total = 0
+    for m in moves.op_inputs(n):
+        if m.value in values and m.src in chosen and isinstance(m.value.meta.get("val"), torch.Tensor):
+            made, read = m.ends(chosen.__getitem__)
+            copy = local_bytes(m.meta, read, mesh_shape)
+            if copy > local_bytes(m.meta, made, mesh_shape):
+                total += copy
+    return total
+
+
 def output_move_bytes(
     tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements], move: Price
 ) -> float:
@@ -352,8 +410,23 @@ def _storages(
         if owner is k:
             owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
         elif _moved_inputs(n, chosen, move):
-            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.step[k], sched.view_last[k])
+            early = k in sched.issued and _gathered_params(n, chosen, sched.param_values, mesh_shape)
+            born = sched.issued[k] if early else sched.step[k]
+            owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), born, sched.view_last[k])
     return owned
+
+
+def _prefetched(sched: Schedule, chosen: dict[fx.Node, Strategy], mesh_shape) -> list[tuple[int, int, int]]:
+    """(bytes, first step, last step) of the parameters an op (not a view) reads gathered, from
+    where the prefetch issues their gathers to the step before the op's (the op's own step counts
+    them as its moved inputs; a view's gathered copy is its storage, see ``_storages``)."""
+    spans = []
+    for k, issued in sched.issued.items():
+        n = node_of(k)
+        if issued < sched.step[k] and n in chosen and not aliases_input(n):
+            if b := _gathered_params(n, chosen, sched.param_values, mesh_shape):
+                spans.append((b, issued, sched.step[k] - 1))
+    return spans
 
 
 def _stored_bytes(n_steps: int, spans: list[tuple[int, int, int]]) -> np.ndarray:
@@ -398,6 +471,7 @@ def _peak_parts(
     sched: Schedule,
     owned: dict[Key, tuple[int, int, int]],
     extra: list[tuple[int, int, int]],
+    early: list[tuple[int, int, int]],
     grads: set[Key],
     t: int,
     inputs_moving: bool,
@@ -406,6 +480,8 @@ def _peak_parts(
     ``inputs_moving``: the peak is while the op's inputs move, so what it makes there is not made yet."""
     peak = sched.order[t]
     parts = {"gradients": sum(b for b, born, dies in extra if born <= t <= dies and not (inputs_moving and born == t))}
+    if early:  # prefetched for an op that runs later
+        parts["gathered parameters"] = sum(b for b, born, dies in early if born <= t <= dies)
     saved = 0
     for n, (b, born, dies) in owned.items():
         kind = _kind(n, born, sched, grads)
@@ -444,7 +520,8 @@ def walk(
     owned = _storages(sched, chosen, mesh_shape, move, dies)
     last = sched.n_steps - 1
     extra = [(value_bytes(g.param, chosen[g.param].outputs, mesh_shape), g.made, last) for g in moved]
-    stored = _stored_bytes(sched.n_steps, [*owned.values(), *extra])
+    early = _prefetched(sched, chosen, mesh_shape)
+    stored = _stored_bytes(sched.n_steps, [*owned.values(), *extra, *early])
     running, moving = _transients(sched, chosen, mesh_shape, move, owned, moved)
     # and while the forward's last op runs, the model outputs' moves
     running[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
@@ -454,7 +531,7 @@ def walk(
     # at the peak while the op's inputs move, what it makes there is not made yet
     inputs_moving = bool(moving[t] > running[t])
     held = _moved_inputs(node_of(peak), chosen, move) if inputs_moving else running[t]
-    parts, saved = _peak_parts(sched, owned, extra, {g.owner for g in gms}, t, inputs_moving)
+    parts, saved = _peak_parts(sched, owned, extra, early, {g.owner for g in gms}, t, inputs_moving)
     report = MemoryReport(
         param_bytes=sum(per_param.values()),
         grad_bytes=sum(per_param.values()),  # once reduced into the parameters' placements
@@ -470,10 +547,12 @@ def walk(
 
 
 def _kind(n: Key, born: int, sched: Schedule, grads: set[fx.Node]) -> str:
-    if isinstance(n, Recomputed):
-        return "recomputed activations"
     if n in sched.resident:
         return "parameters and inputs"
+    if node_of(n) in sched.param_values:  # a parameter's view owning its gathered copy
+        return "gathered parameters"
+    if isinstance(n, Recomputed):
+        return "recomputed activations"
     if n in grads:
         return "gradients"
     return "activations" if born <= sched.forward_end else "backward temporaries"

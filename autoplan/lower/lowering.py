@@ -441,7 +441,7 @@ class LoweringOptions:
 
     reshard_after_forward: bool = True  # backward re-gathers sharded parameters (FSDP)
     fuse_gathers: bool = True  # chained per-mesh-dim all-gathers become one
-    prefetch: bool = False  # parameter gathers issued a layer ahead of their use (opt-in, see passes.prefetch)
+    prefetch: bool = False  # parameter gathers issued a layer ahead of their use (see passes.prefetch)
 
     def check(self, mesh: DeviceMesh) -> None:
         """Refuse what the mesh's backend cannot run. Gloo (torch 2.13) corrupts its heap when

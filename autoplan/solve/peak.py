@@ -62,11 +62,12 @@ class PeakRows:
     device_profile: DeviceProfile
     optimizer: memory.OptimizerSpec
     shared: Shared
+    prefetch: bool = False  # the lowering gathers parameters a layer ahead (``memory.schedule``)
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
         self.params = set(self.tg.placeholder_for("param").values())
-        self.schedule = memory.schedule(self.tg)
+        self.schedule = memory.schedule(self.tg, prefetch=self.prefetch)
         self.into: dict[fx.Node, list[Move]] = defaultdict(list)  # each op's input moves
         self.gradient_moves: list[Move] = []
         for m in self.shared.moves({}):  # the model outputs' moves are read per request
@@ -104,7 +105,7 @@ class PeakRows:
         own), and its unsharded live profile."""
         if option not in self._option_schedules:
             nodes = frozenset().union(*(t for (_, o), t in self.tagged.items() if o == option))
-            sched = memory.schedule(self.tg, nodes)
+            sched = memory.schedule(self.tg, nodes, self.prefetch)
             self._option_schedules[option] = sched, memory.live_profile(sched)
         return self._option_schedules[option]
 

@@ -113,12 +113,15 @@ class Planner:
     solve_options: SolveOptions = field(default_factory=lambda: SolveOptions(mip_rel_gap=DEFAULT_GAP))
     merge_followers: bool = True
     expert_imbalance: float = 1.0  # see ``CostModel``
+    prefetch: bool = False  # the lowering gathers parameters a layer ahead (``memory.schedule``)
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
         self._started = time.perf_counter()  # when the current ``plan`` began: progress lines say since when
         self.shared = Shared(self.tg, self.clustering)
-        self.peak = PeakRows(self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer, self.shared)
+        self.peak = PeakRows(
+            self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer, self.shared, self.prefetch
+        )
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -204,7 +207,7 @@ class Planner:
 
     def walk(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str], request: Request):
         """The memory report of a plan, the schedule it was walked on and the bytes alive at each step."""
-        sched = memory.schedule(self.tg, self.recomputed(choice)) if choice else self.peak.schedule
+        sched = memory.schedule(self.tg, self.recomputed(choice), self.prefetch) if choice else self.peak.schedule
         move = self.peak.move_bytes
         grads = self.peak.gradient_moves
         walk = memory.walk(self.tg, chosen, self.mesh_shape, self.optimizer, sched, move, request.outputs, grads)

@@ -16,10 +16,12 @@ layer's tag, so regional compilation puts the gathers a layer issues early in a 
 their own (run eagerly: no compute) before the previous layer's region, whose structure, like
 every layer's, no longer holds any gather: identical layers still share one compiled region.
 
-A prefetched gathered weight is alive one stretch longer, and the memory model does not count that
-yet, so the pass is opt-in (``apply_placement(prefetch=True)``): the planner's peak estimate and
-its caps hold for the program without it. It is refused on gloo, which does not survive gathers in
-flight beside other collectives (``LoweringOptions.check``); NCCL orders them on its stream.
+A prefetched gathered weight is alive one stretch longer. The memory model counts that when the
+planner is told (``AutoParallel(prefetch=True)``, whose ``apply_placement`` then prefetches): its
+estimate and the peak it reports follow the prefetched program, while the ILP's peak rows leave the
+earlier gathers to the bytes a row misses (``solve.peak``). The pass is opt-in, and refused on
+gloo, which does not survive gathers in flight beside other collectives
+(``LoweringOptions.check``); NCCL orders them on its stream.
 """
 
 from __future__ import annotations
