@@ -161,8 +161,10 @@ class AutoParallel:
     parameters stored in a lower precision); ``memory.TORCH_ADAMW`` is ``torch.optim.AdamW`` run on
     the parameters as they are (two states in each parameter's dtype).
     ``prefetch``: the parallel module issues each layer's parameter gathers while the layer before
-    it computes (``apply_placement``'s default); the memory estimate then counts the gathered
-    weights from where they are issued. NCCL meshes only: gloo does not survive it.
+    it computes (``apply_placement``'s default). The plan is priced for that program: the gathers
+    hide under the previous layer's compute (without prefetch they are paid in full, as the
+    program then waits for them), and the memory estimate counts the gathered weights from where
+    they are issued. NCCL meshes only: gloo does not survive it.
     """
 
     def __init__(

@@ -174,6 +174,8 @@ class Plan:
     overlap_budget: dict[str, float] = field(default_factory=dict)
     # what the plan was made for: each parameter's, buffer's and input's dtype and global shape
     signature: dict[str, str] = field(default_factory=dict)
+    # priced for a program that gathers parameters a layer ahead (``AutoParallel(prefetch=True)``)
+    prefetch: bool = False
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -376,6 +378,7 @@ class Plan:
             checkpointed=d.get("checkpointed", {}),
             overlap_budget=d.get("overlap_budget", {}),
             signature=d.get("signature", {}),
+            prefetch=d.get("prefetch", False),
         )
 
     @classmethod

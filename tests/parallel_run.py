@@ -131,11 +131,20 @@ def reference_run(name: str, batch_rows: int = 4) -> Reference:
 
 
 def plan_and_apply(
-    mesh, name: str, pins, batch_rows: int = 4, attention: str = "auto", recompute=(), io=IO, **apply_options
+    mesh,
+    name: str,
+    pins,
+    batch_rows: int = 4,
+    attention: str = "auto",
+    recompute=(),
+    io=IO,
+    settings: dict | None = None,
+    **apply_options,
 ):
     """Plan ``name`` on ``mesh`` (I/O placed ``io``, batch-sharded by default; optional pins: a
     list, or a function of the traced graph giving one; ``attention`` picks the attention kernel;
-    ``recompute``: (layers glob, option) pairs) and build the parallel module.
+    ``recompute``: (layers glob, option) pairs; ``settings``: more ``AutoParallel`` keywords) and
+    build the parallel module.
     Returns the plan as lowered (after round-trip removal, with the pass report), the lowered graphs
     and the module."""
     from autoplan import AutoParallel
@@ -143,7 +152,8 @@ def plan_and_apply(
     build, batch_fn = make(name, batch_rows)
     with torch.device("meta"):
         model = build()
-    with AutoParallel(model, mesh, input_fn=lambda: batch_fn(torch.Generator()), attention=attention) as ap:
+    inputs = lambda: batch_fn(torch.Generator())  # noqa: E731
+    with AutoParallel(model, mesh, input_fn=inputs, attention=attention, **(settings or {})) as ap:
         ap.add_input_constraints([io])
         ap.add_output_constraints([io])
         for target, placements in pins(ap.traced) if callable(pins) else pins:

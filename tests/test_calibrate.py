@@ -91,7 +91,8 @@ def test_a_changed_profile_changes_the_costs_and_where_it_should_the_plan(tmp_pa
 
 def test_comm_overlap_scales_what_communication_hides_under():
     """A profile whose collectives cannot run beside compute (``comm_overlap=0``) hides nothing: an
-    FSDP plan pays all its communication, and more than where it hides under its layers' compute."""
+    FSDP plan whose gathers are prefetched pays all its communication, and more than where it
+    hides under its layers' compute."""
     from autoplan.bench.handplans import hand_plan
 
     costs = {}
@@ -99,7 +100,8 @@ def test_comm_overlap_scales_what_communication_hides_under():
         with torch.device("meta"):
             model = MLP(1024, 4096, 1024)
         profile = dataclasses.replace(CPU_GLOO, comm_overlap=overlap)
-        with AutoParallel(model, fake_mesh((4,)), lambda: torch.randn(1024, 1024), device_profile=profile) as ap:
+        mesh = fake_mesh((4,))
+        with AutoParallel(model, mesh, lambda: torch.randn(1024, 1024), device_profile=profile, prefetch=True) as ap:
             ap.add_input_constraints([(Shard(0),)])
             costs[overlap] = hand_plan(ap, "fsdp", 1).cost
     assert costs[0.0].hidden_comm == 0 and costs[1.0].hidden_comm > 0

@@ -28,7 +28,7 @@ def mlp_factory():
 
 
 def capped_mlp_factory():
-    """An MLP whose estimated peak a cap at half the free plan's can still meet, in a few rounds."""
+    """An MLP whose estimated peak a cap at 35% of the free plan's can still meet, in a few rounds."""
     with torch.device("meta"):
         model = MLP(64, 128, 64)
     return model, lambda: torch.randn(64, 64)
@@ -123,7 +123,7 @@ def test_cap_bounds_the_estimated_peak_and_the_solve_logs_its_rounds(tmp_path, c
     argv += ["--param-fraction", "0"]
     assert main([*argv, "-o", str(tmp_path / "free.json")]) == 0
     free = Plan.from_json(tmp_path / "free.json")
-    cap = 0.5 * free.memory.peak_bytes
+    cap = 0.35 * free.memory.peak_bytes
     assert main([*argv, "--cap", repr(cap / 2**30), "-o", str(tmp_path / "capped.json")]) == 0
     capped = Plan.from_json(tmp_path / "capped.json")
     assert capped.memory.peak_bytes <= cap < free.memory.peak_bytes

@@ -284,7 +284,7 @@ def test_an_unclustered_plan_hides_moves_per_layer_as_it_is_priced():
     expanded cost (and the plan 0.6% worse than the clustered one)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "reduced ILP objective ... differs from the expanded plan's cost"
-        unclustered, _, _ = plan_llama(n_layers=4, cluster_layers=False)
+        unclustered, _, _ = plan_llama(n_layers=4, cluster_layers=False, prefetch=True)
     assert math.isclose(unclustered.ilp["objective"], unclustered.cost.total, rel_tol=1e-9)
     assert unclustered.cost.hidden_comm > 0
 

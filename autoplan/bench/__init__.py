@@ -505,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default=None, help="write the numbers to this file")
     p.add_argument("--cap", type=float, default=None, help="cap the estimated peak per device (GiB)")
+    p.add_argument(
+        "--prefetch", action="store_true", help="plan for a program that gathers each layer's parameters a layer ahead"
+    )
     a = sub.add_parser("apply", help="time lowering a plan into the distributed graph on a fake process group")
     for action in p._actions[1:]:
         a._add_action(action)

@@ -1,10 +1,17 @@
-"""Which communication can run under compute, and where.
+"""Which communication can run under compute, and where: what the lowered program overlaps.
 
-A training step's collectives are not all on its critical path. A value computed from parameters
-alone (a weight's all-gather, its transposed view gathered again in backward) does not wait for any
-activation: FSDP prefetches it on a second stream while the previous layer computes. A parameter's
-gradient, once produced, is reduced on that stream while the backward goes on. Everything else (an
-activation's all-reduce in tensor parallelism, a sequence-parallel gather) blocks the op reading it.
+A training step's collectives are not all on its critical path, but only those the per-rank
+program issues ahead of their reader, or waits for after other work, run beside compute:
+
+- A value computed from parameters alone (a weight's all-gather, its transposed view gathered
+  again in backward) waits for no activation. It hides when the program prefetches parameter
+  gathers a layer ahead (``AutoParallel(prefetch=True)``, ``lower.passes.prefetch``, as FSDP does on
+  a second stream). Without prefetch the lowering issues it right before its reader, which waits.
+- A parameter's gradient, once produced, moves into its parameter's placement. Its all-reduce
+  hides: the lowering waits for it only where the result is read (``lower.passes.wait_sinking``).
+  Its reduce-scatter does not: the wait follows it at once.
+- Everything else (an activation's all-reduce in tensor parallelism, a sequence-parallel gather)
+  blocks the op reading it.
 
 So each *segment*, a layer instance in one phase, hides up to min(its compute budget, its
 hideable communication): the step pays ``compute + comm - hidden``. The budget is the compute the
@@ -56,25 +63,29 @@ def segment(instance: str, phase_name: str) -> str:
 
 @dataclass(frozen=True)
 class Hiding:
-    """Which moves of one traced graph can hide, and under which segment's compute."""
+    """Which moves of one traced graph can hide, and under which segment's compute, in the program
+    lowered with or without ``prefetch``."""
 
     instance: dict[fx.Node, str]  # node -> layer instance, "" outside repeated layers
     params: frozenset[fx.Node]
-    early: frozenset[fx.Node]  # parameter-only values
+    early: frozenset[fx.Node]  # parameter-only values: hide only where they are prefetched
+    prefetch: bool = False
 
     @classmethod
-    def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None) -> Hiding:
+    def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None, prefetch: bool = False) -> Hiding:
         if instance is None:
             instance = {n: i for n, (i, _) in layer_instances(tg).items()}
-        return cls(instance, frozenset(tg.placeholder_for("param").values()), parameter_only(tg))
+        early = parameter_only(tg) if prefetch else frozenset()
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), early, prefetch)
 
     def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool) -> str | None:
         """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.
 
         ``reader`` reads the moved value in its input (an op) or, with ``into_output``, in its
         output placement (a parameter taking its gradient, a tangent taking a model output). A
-        parameter-only value read by an op counts in the op's segment; a gradient moved into its
-        parameter's placement counts in its producer's (the move runs while the backward goes on).
+        prefetched parameter-only value read by an op counts in the op's segment; a gradient moved
+        into its parameter's placement counts in its producer's (the move runs while the backward
+        goes on), for its all-reduces' part alone (``CostModel.hideable_cost(gradient=True)``).
         """
         if into_output:
             if reader not in self.params:

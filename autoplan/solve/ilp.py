@@ -43,8 +43,11 @@ POLISH_S = SolveOptions.polish_s
 # Rows above which a re-solve first tries ``autoplan.solve.certify``'s bound on its start: below, its own
 # LP is the cheaper proof; above, the dual simplex's time grows much faster than the ascent's.
 CERTIFY_MIN_ROWS = 10_000
-# HiGHS's threads, fixed so that a plan does not depend on the planning host's core count
-SOLVER_THREADS = 2
+# HiGHS's threads, fixed so that a plan does not depend on the planning host's core count. One: every
+# rank plans at once under torchrun, and on a small host two threads each oversubscribe its cores
+# (4 gloo ranks on 2 cores planning LLaMA debug: 53 s each, against 8.7 s with one thread, which
+# is as fast as two for a lone planner)
+SOLVER_THREADS = 1
 
 # a long MIP's progress at INFO; at DEBUG the solver prints its own log too
 log = logging.getLogger(__name__)

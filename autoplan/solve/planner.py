@@ -118,7 +118,7 @@ class Planner:
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
         self._started = time.perf_counter()  # when the current ``plan`` began: progress lines say since when
-        self.shared = Shared(self.tg, self.clustering)
+        self.shared = Shared(self.tg, self.clustering, self.prefetch)
         self.peak = PeakRows(
             self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer, self.shared, self.prefetch
         )
@@ -498,6 +498,7 @@ class Planner:
             checkpointed=tg.checkpointed(priced.rerun),
             overlap_budget=priced.budget,
             signature=mismatch.signature(tg),
+            prefetch=self.prefetch,
         )
 
     def _warn_if_stopped_early(self, solved: UnitChoice) -> None:

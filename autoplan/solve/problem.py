@@ -211,9 +211,9 @@ class Shared:
     re-solve's split clustering keeps its instance map), and each strategy tuple's placements on
     one side (``_labels``)."""
 
-    def __init__(self, tg: TracedGraph, clustering: Clustering) -> None:
+    def __init__(self, tg: TracedGraph, clustering: Clustering, prefetch: bool = False) -> None:
         self.tg = tg
-        self.hiding = overlap.Hiding.of(tg, clustering.instance)
+        self.hiding = overlap.Hiding.of(tg, clustering.instance, prefetch)
         self._moves: dict[tuple, list[Move]] = {}  # by the output constraints
         # by the strategy tuple's identity and the side, kept alive beside its labels so that its id
         # cannot be reused: hashing a tuple of strategies costs as much as labelling it
@@ -424,7 +424,8 @@ def build_problem(
         cost = edge.cost * mult
         name = shared.hiding.segment_of(ur, cr, slot == "out")
         if name is not None:  # only its collectives hide: its copies run in line with compute
-            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, tensor_meta(output_vals(ur)[k]))
+            meta = tensor_meta(output_vals(ur)[k])
+            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, meta, gradient=slot == "out")
             hideable.append((name, dataclasses.replace(edge, cost=seconds * mult)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)
