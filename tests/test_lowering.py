@@ -277,12 +277,14 @@ def test_parameter_gathers_are_issued_a_layer_ahead_and_keep_the_numerics(compil
     _, plain, _ = plan_and_apply(mesh, "llama", pins, batch_rows=8, settings=prefetched, prefetch=False)
     plan, lowered, pmod = plan_and_apply(mesh, "llama", pins, batch_rows=8, settings=prefetched, compile=compiled)
     assert plain.prefetch.gathers == 0 and lowered.prefetch.gathers == plan.passes["gathers_prefetched"]
-    # one gather per weight of a layer each way (seven matmul weights, two norms); the debug model's
-    # compute is so small that each rank runs the whole batch rather than pay the gradients' exposed
-    # reduce-scatters (the batch is gathered once, before the layers)
+    # one gather per weight of a layer each way (seven matmul weights, two norms), one reduction back
     per_layer = {k: v for k, v in plan.passes.items() if "_per_layer_" in k}
-    assert per_layer == {"all_gather_per_layer_forward": 9, "all_gather_per_layer_backward": 9}
-    assert "collectives per layer backward: all_gather 9" in plan.summary()
+    assert per_layer == {
+        "all_gather_per_layer_forward": 9,
+        "all_gather_per_layer_backward": 9,
+        "reduce_scatter_per_layer_backward": 9,
+    }
+    assert "collectives per layer backward: all_gather 9, reduce_scatter 9" in plan.summary()
     for graph, order in ((lowered.forward.graph, 1), (lowered.backward.graph, -1)):
         nodes = list(graph.nodes)
         at = {n: i for i, n in enumerate(nodes)}

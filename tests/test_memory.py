@@ -24,8 +24,7 @@ IO = (Shard(0), Replicate())
 @pytest.mark.parametrize(
     "model, layers, mesh, recompute, tolerance, prefetch",
     [
-        # the unprefetched program's plan mixes TP on these tiny models: +9.7% and +8.0%
-        ("llama3-debug", None, "2x2", None, 0.10, False),
+        ("llama3-debug", None, "2x2", None, 0.05, False),
         # each layer's parameter gathers issued while the layer before it computes
         ("llama3-debug", None, "2x2", None, 0.05, True),
         pytest.param("llama3-debug", None, "2x2", "full", 0.15, False, marks=pytest.mark.slow),
@@ -36,7 +35,7 @@ IO = (Shard(0), Replicate())
         pytest.param("llama3-8b", 4, "16x8", None, 0.05, False, marks=pytest.mark.slow),
         pytest.param("llama3-8b", 2, "128", None, 0.05, False, marks=pytest.mark.slow),
         # a mixture of experts: the routed capacity buffers, expert matmuls and all-to-alls
-        ("moe-debug", None, "2x2", None, 0.10, False),
+        ("moe-debug", None, "2x2", None, 0.05, False),
         pytest.param("moe-debug", None, "2x2", None, 0.05, True, marks=pytest.mark.slow),
         pytest.param("deepseek-v3-16b", 2, "16x8", None, 0.05, False, marks=pytest.mark.slow),
     ],

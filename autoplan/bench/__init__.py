@@ -469,7 +469,11 @@ def run_compare(args: argparse.Namespace) -> dict:
     batch, seq = model_batch(cfg, args.batch, args.seq, shape[0])
     vocab = cfg.vocab_size
     ap = AutoParallel(
-        model, fake_mesh(shape), lambda: torch.randint(0, vocab, (batch, seq)), device_profile=args.device_profile
+        model,
+        fake_mesh(shape),
+        lambda: torch.randint(0, vocab, (batch, seq)),
+        device_profile=args.device_profile,
+        prefetch=args.prefetch,
     )
     with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
@@ -479,6 +483,7 @@ def run_compare(args: argparse.Namespace) -> dict:
             ap.add_memory_constraint(bytes_per_device=args.cap * 2**30)
         rows = compare_plans(ap, len(shape))
     cap = f", every plan capped at {args.cap:g} GiB per device" if args.cap else ""
+    cap += ", parameter gathers prefetched" if args.prefetch else ""
     print(f"{args.model} on mesh {args.mesh} ({ap.device_profile.name}), global batch {batch} x {seq}{cap}")
     print(f"{'plan':<10} {'step ms':>9} {'compute':>9} {'comm':>9} {'exposed':>9} {'peak GiB':>9} {'MFU':>6}  fits")
     for r in rows:
@@ -490,7 +495,8 @@ def run_compare(args: argparse.Namespace) -> dict:
             f" {max(r['exposed_comm_ms'], 0.0):>9.2f} {r['peak_gib']:>9.2f} {r['mfu']:>6.1%}"
             f"  {'yes' if r['fits'] else 'no'}"
         )
-    return {"model": args.model, "mesh": list(shape), "batch": batch, "seq": seq, "cap_gib": args.cap, "plans": rows}
+    out = {"model": args.model, "mesh": list(shape), "batch": batch, "seq": seq, "cap_gib": args.cap}
+    return out | {"prefetch": args.prefetch, "plans": rows}
 
 
 def build_parser() -> argparse.ArgumentParser:

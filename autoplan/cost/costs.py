@@ -134,8 +134,7 @@ class _UnevenMove:
 
 
 _UNKNOWN = object()
-# a move DTensor cannot run: its seconds, their collectives' part and their all-reduces' part
-_CANNOT = (math.inf, math.inf, math.inf)
+_CANNOT = (math.inf, math.inf)  # a move DTensor cannot run: its seconds and their collectives' part
 
 
 class UnsupportedRedistribution(ValueError):
@@ -156,9 +155,9 @@ class CostModel:
         self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
         self._splits: dict[tuple[int | None, ...], int] = {}  # a number per distinct ``_dims`` entry
         self._split_of: list[int] = []  # per id: its ``_dims`` entry's number
-        self._costs: dict[tuple, tuple[float, float, float]] = {}  # by ``_key``: seconds, collectives, all-reduces
+        self._costs: dict[tuple, tuple[float, float]] = {}  # by ``_key``: seconds, their collectives' part
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}  # by ``_move``
-        self._seconds: dict[tuple, tuple[float, float, float]] = {}  # by ``_move``: as ``_costs``
+        self._seconds: dict[tuple, tuple[float, float]] = {}  # by ``_move``: as ``_costs``
         self._step_plans: dict[tuple, tuple[Transfer, ...]] = {}  # by (step, local shapes, contiguous, itemsize)
         self._matrices: dict[tuple, np.ndarray] = {}
         self._local_shapes: dict[tuple, tuple[int, ...]] = {}  # by (shape, tensor dim each mesh dim splits)
@@ -392,13 +391,12 @@ class CostModel:
         """Seconds to move ``meta`` from ``src`` to ``dst`` placements; ``math.inf`` if DTensor cannot."""
         return self._cost(src, dst, meta, self._key(src, dst, meta))[0]
 
-    def hideable_cost(self, src: Placements, dst: Placements, meta: TensorMeta, gradient: bool = False) -> float:
+    def hideable_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
         """The part of ``redistribute_cost`` that can run under compute: its collectives' seconds
-        (its copies run in line with the rank's compute; ``plan_seconds``), only its all-reduces'
-        for a ``gradient`` taking its parameter's placement (``autoplan.cost.overlap``)."""
-        return self._cost(src, dst, meta, self._key(src, dst, meta))[2 if gradient else 1]
+        (its copies run in line with the rank's compute; ``plan_seconds``)."""
+        return self._cost(src, dst, meta, self._key(src, dst, meta))[1]
 
-    def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple[float, float, float]:
+    def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple[float, float]:
         found = self._costs.get(key)
         if found is None:
             move, steps = self._move(src, dst, meta, key)
@@ -410,9 +408,9 @@ class CostModel:
 
     def _move_seconds(
         self, move: tuple, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int
-    ) -> tuple[float, float, float]:
-        """A move's seconds, its collectives' part and its all-reduces' part (``math.inf`` where
-        DTensor cannot run it), kept by ``_move``."""
+    ) -> tuple[float, float]:
+        """A move's seconds and its collectives' part (``math.inf`` where DTensor cannot run it),
+        kept by ``_move``."""
         plan = self._plan_of(move, steps, meta, src)
         found = _CANNOT if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
         self._seconds[move] = found
@@ -425,11 +423,9 @@ class CostModel:
         come back in every re-solve, and on a 3-D mesh one holds ~1,500 pairs."""
         return self._costs_matrix(srcs, dsts, meta, 0)
 
-    def hideable_costs(
-        self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta, gradient: bool = False
-    ) -> np.ndarray:
+    def hideable_costs(self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta) -> np.ndarray:
         """``hideable_cost`` over every pair, as ``redistribute_costs``."""
-        return self._costs_matrix(srcs, dsts, meta, 2 if gradient else 1)
+        return self._costs_matrix(srcs, dsts, meta, 1)
 
     def _costs_matrix(
         self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta, part: int

@@ -174,10 +174,8 @@ def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
 
 def plan_seconds(
     transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict
-) -> tuple[float, float, float]:
-    """A redistribution's time, the part of it its collectives take, and the part its all-reduces
-    take (the collectives whose waits the lowering moves to their readers: the only ones a
-    gradient's move hides, ``autoplan.cost.overlap``). Gather pairs that the
+) -> tuple[float, float]:
+    """A redistribution's time, and the part of it its collectives take. Gather pairs that the
     fusion pass merges are priced as the one collective that runs (over the flattened mesh), plus
     the local chunk transpose it needs when the outer mesh dim was gathered first. ``memo``: each
     primitive's seconds by (kind, mesh dim, bytes), kept by the caller for this topology and
@@ -195,7 +193,7 @@ def plan_seconds(
         return found
 
     fused = fused_gather_pairs(transfers, len(topology.shape))
-    copies = collectives = all_reduces = 0.0
+    copies = collectives = 0.0
     skip = False
     for i, t in enumerate(transfers):
         if skip:
@@ -209,6 +207,4 @@ def plan_seconds(
             copies += seconds(t)
         else:
             collectives += seconds(t)
-            if t.kind == "all_reduce":
-                all_reduces += seconds(t)
-    return copies + collectives, collectives, all_reduces
+    return copies + collectives, collectives

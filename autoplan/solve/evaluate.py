@@ -7,7 +7,6 @@ follower merging, so the reported cost is the true cost of the expanded plan.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -116,7 +115,7 @@ def evaluate(
         redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase, nbytes))
         totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
         if e.segment is not None:
-            seg_comm[e.segment] += cost_model.hideable_cost(src, dst, e.meta, e.kind == "gradient")
+            seg_comm[e.segment] += cost_model.hideable_cost(src, dst, e.meta)
     hidden = overlap.hidden_seconds(budget, seg_comm)
     return Evaluation(nodes, redistributions, CostBreakdown(**totals, hidden_comm=hidden, ideal_compute=ideal))
 
@@ -188,7 +187,7 @@ def _local_view(
             touching[e.dst].append((e, seg, metas[e.value]))
         src, dst = e.ends(chosen.__getitem__)
         if seg is not None and src != dst:
-            hideable[seg] += cost_model.hideable_cost(src, dst, metas[e.value], e.kind == "gradient")
+            hideable[seg] += cost_model.hideable_cost(src, dst, metas[e.value])
     return _LocalView(chosen, cost_model, touching, hideable, budget)
 
 
@@ -215,10 +214,10 @@ def _priced(
     at once: one cost row per move)."""
     cost_model = view.cost_model
     candidates = (s0, *opts)
-    seconds = _seconds_of(view, n, candidates)
+    seconds = _seconds_of(view, n, candidates, cost_model.redistribute_costs)
     compute = np.r_[cost_model.op_seconds(n, s0), cost_model.strategy_seconds(n, opts)]
     comm = seconds.sum(axis=0)
-    step = compute + comm - _hidden(view, n, _seconds_of(view, n, candidates, hideable=True))
+    step = compute + comm - _hidden(view, n, _seconds_of(view, n, candidates, cost_model.hideable_costs))
     priced = []
     for i in np.argsort(step[1:], kind="stable") + 1:
         if len(priced) == keep or not np.isfinite(step[i]):
@@ -230,16 +229,12 @@ def _priced(
     return float(comm[0]), tuple(priced)
 
 
-def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...], hideable: bool = False) -> np.ndarray:
+def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...], price) -> np.ndarray:
     """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as
-    chosen: ``CostModel.redistribute_costs``, or with ``hideable`` the part that can hide."""
+    chosen, by ``price`` (``CostModel.redistribute_costs`` or its hideable part)."""
     chosen, cost_model = view.chosen, view.cost_model
     rows = []
     for e, _, meta in view.touching[n]:
-        if hideable:
-            price = functools.partial(cost_model.hideable_costs, gradient=e.kind == "gradient")
-        else:
-            price = cost_model.redistribute_costs
         src, dst = e.ends(chosen.__getitem__)
         if e.src is n:
             ends, other = [s.outputs[e.k] for s in candidates], dst

@@ -424,8 +424,7 @@ def build_problem(
         cost = edge.cost * mult
         name = shared.hiding.segment_of(ur, cr, slot == "out")
         if name is not None:  # only its collectives hide: its copies run in line with compute
-            meta = tensor_meta(output_vals(ur)[k])
-            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, meta, gradient=slot == "out")
+            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, tensor_meta(output_vals(ur)[k]))
             hideable.append((name, dataclasses.replace(edge, cost=seconds * mult)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)
