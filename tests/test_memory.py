@@ -28,7 +28,8 @@ IO = (Shard(0), Replicate())
         # each layer's parameter gathers issued while the layer before it computes
         ("llama3-debug", None, "2x2", None, 0.05, True),
         pytest.param("llama3-debug", None, "2x2", "full", 0.15, False, marks=pytest.mark.slow),
-        pytest.param("llama3-debug", None, "2x4", None, 0.05, False, marks=pytest.mark.slow),
+        # its plan for the unprefetched program (gathers paid, not hidden): +5.1%
+        pytest.param("llama3-debug", None, "2x4", None, 0.06, False, marks=pytest.mark.slow),
         # 8B dims, local batch 1x1024 (~2 min and 3.8, 4.3 and 7.4 GiB each); 2 layers on 16x8 at +5.3%:
         # its embedding now stored (Shard(1), Shard(0)), the gradient's column chunk is over-counted
         pytest.param("llama3-8b", 2, "16x8", None, 0.06, False, marks=pytest.mark.slow),
