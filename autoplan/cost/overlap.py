@@ -9,9 +9,8 @@ program issues ahead of their reader, or waits for after other work, run beside 
   a second stream). Without prefetch the lowering issues it right before its reader, which waits.
 - A parameter's gradient, once produced, moves into its parameter's placement while the backward
   goes on. An all-reduce's wait is where the result is read (``lower.passes.wait_sinking``). A
-  reduce-scatter's wait still follows it at once, and is priced hidden all the same: pricing it
-  exposed moves the debug and 8B plans to shapes whose memory the walk over-counts (+6% to +59%),
-  so it waits for those waits to be sunk too.
+  reduce-scatter's wait still follows it at once, and is priced hidden all the same until it is
+  sunk too: priced exposed, it steers plans to layouts whose memory the walk over-counts.
 - Everything else (an activation's all-reduce in tensor parallelism, a sequence-parallel gather)
   blocks the op reading it.
 
@@ -70,15 +69,14 @@ class Hiding:
 
     instance: dict[fx.Node, str]  # node -> layer instance, "" outside repeated layers
     params: frozenset[fx.Node]
-    early: frozenset[fx.Node]  # parameter-only values: hide only where they are prefetched
-    prefetch: bool = False
+    early: frozenset[fx.Node]  # parameter-only values where the program prefetches them, else none
 
     @classmethod
     def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None, prefetch: bool = False) -> Hiding:
         if instance is None:
             instance = {n: i for n, (i, _) in layer_instances(tg).items()}
         early = parameter_only(tg) if prefetch else frozenset()
-        return cls(instance, frozenset(tg.placeholder_for("param").values()), early, prefetch)
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), early)
 
     def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool) -> str | None:
         """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.
