@@ -20,7 +20,7 @@ at hand. ``calibrate`` times this host's device instead:
   (``network.flat_collective_seconds``) as one latency and one bandwidth for the link, and each
   kind's own latency and bandwidth, where the backend runs it otherwise than the model
   (``collective_links``: gloo's reduce-scatter reduces the whole tensor, no ring), and how much of
-  a matmul loop's time an all-reduce issued beside it runs under (``comm_overlap``).
+  an all-reduce's time runs under a matmul loop it is issued beside (``comm_overlap``).
 Dtypes not measured keep their datasheet rate scaled like the first measured one; links not measured
 keep theirs.
 
@@ -234,21 +234,22 @@ def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say
 
 
 def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> float:
-    """The fraction of a matmul loop's time that an all-reduce longer than it runs under, when the
-    all-reduce is issued asynchronously beside it: what ``DeviceProfile.comm_overlap`` means (1 where
-    the backend has its own stream or engine, near 0 where both compete for the same cores). Each
-    trial times the compute alone, the compute then the all-reduce, and the all-reduce beside the
-    compute, in turn: the saving over the serial pair, over the compute, is that trial's fraction,
-    and the median trial's is the profile's (the all-reduce timed alone and back to back runs faster
-    than after compute, and would credit overlap that is not there)."""
+    """The fraction of an all-reduce's time that runs under a matmul loop longer than it, when the
+    all-reduce is issued asynchronously beside the loop: what ``DeviceProfile.comm_overlap`` means
+    (1 where the backend has its own stream or engine; near 0 where its threads need the cores the
+    compute holds, gloo on a small CPU, where only the waiting on the peer hides). Each trial times
+    the compute alone, the compute then the all-reduce, and the all-reduce beside the compute, in
+    turn: the saving over the serial pair, over the all-reduce's own part of it, is that trial's
+    fraction, and the median trial's is the profile's (the all-reduce after compute, not alone:
+    timed back to back it runs faster, and would credit overlap that is not there)."""
     buf = torch.ones(opts.collective_bytes[-1] // 4, device=device)
 
     def comm():
         dist.all_reduce(buf, group=group)
 
     t_comm = _seconds(comm, device, opts.repeats)
-    # compute about half the all-reduce: all of it can hide
-    compute, loops = _matmul_loop(0.5 * t_comm, 128 if opts.fast else 256, device, group, opts)
+    # compute about twice the all-reduce: all of it could hide
+    compute, loops = _matmul_loop(2.0 * t_comm, 128 if opts.fast else 256, device, group, opts)
 
     def both():
         work = dist.all_reduce(buf, group=group, async_op=True)
@@ -263,12 +264,12 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
     for _ in range(opts.repeats):  # timed in turn, so drift on the host hits each alike
         dist.barrier(group=group)
         t_compute, t_serial, t_both = (_seconds(fn, device, 1, inner=3) for fn in (compute, one_then_other, both))
-        fractions.append(min(max((t_serial - t_both) / t_compute, 0.0), 1.0))
+        fractions.append(min(max((t_serial - t_both) / max(t_serial - t_compute, 1e-9), 0.0), 1.0))
     fraction = statistics.median(fractions)
     say(
         f"overlap: {loops} matmuls {t_compute * 1e3:.2f} ms, then an all-reduce after them {t_serial * 1e3:.2f} ms,"
         f" beside them {t_both * 1e3:.2f} ms (last of {opts.repeats} trials): a median"
-        f" {fraction:.0%} of the compute ran beside communication"
+        f" {fraction:.0%} of the all-reduce ran beside compute"
     )
     return fraction
 

@@ -49,7 +49,7 @@ class DeviceProfile:
     # less of the peak than a square one of the same FLOPs); empty: every kernel reaches
     # ``compute_efficiency``
     kernel_efficiency: tuple[tuple, ...] = ()
-    # the fraction of a layer's compute that communication can run under: 1 where collectives have
+    # the fraction of a hideable collective's time that runs under compute: 1 where collectives have
     # their own stream or engine (NCCL); measured by ``autoplan calibrate`` where they compete with
     # compute for the same cores (gloo's threads on a small CPU)
     comm_overlap: float = 1.0

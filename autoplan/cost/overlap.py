@@ -11,18 +11,22 @@ program issues ahead of their reader, or waits for after other work, run beside 
   goes on. An all-reduce's wait is where the result is read (``lower.passes.wait_sinking``). A
   reduce-scatter's wait still follows it at once, and is priced hidden all the same until it is
   sunk too: priced exposed, it steers plans to layouts whose memory the walk over-counts.
+- A parameter's gathered view is not kept for the backward: the lowering gathers it again there
+  (``regathered``; FSDP's reshard after forward). The move into it runs twice, the second time in
+  the backward segment of its layer, where it hides only under the same rule.
 - Everything else (an activation's all-reduce in tensor parallelism, a sequence-parallel gather)
   blocks the op reading it.
 
 So each *segment*, a layer instance in one phase, hides up to min(its compute budget, its
-hideable communication): the step pays ``compute + comm - hidden``. The budget is the compute the
-segment needs at least (each op at its fastest strategy), a constant of the graph: with the compute
-of the chosen strategies instead, the ILP's LP relaxation mixes strategies to balance the two and
-the solve takes minutes instead of seconds, while sensible plans run each op near its fastest
-anyway (a plan that replicates compute is only denied hiding under the extra time). Layers are
-alike, so a layer's own compute stands for the previous layer's, under which its prefetch really
-runs. The ILP and the plan's evaluation both price through this module, so the objective equals
-the expanded plan's cost.
+hideable communication), the latter being the ``DeviceProfile.comm_overlap`` fraction of those
+moves' collective seconds (``transfers.plan_seconds``): the step pays ``compute + comm - hidden``.
+The budget is the compute the segment needs at least (each op at its fastest strategy), a
+constant of the graph: with the compute of the chosen strategies instead, the ILP's LP relaxation
+mixes strategies to balance the two and the solve takes minutes instead of seconds, while
+sensible plans run each op near its fastest anyway (a plan that replicates compute is only denied
+hiding under the extra time). Layers are alike, so a layer's own compute stands for the previous
+layer's, under which its prefetch really runs. The ILP and the plan's evaluation both price
+through this module, so the objective equals the expanded plan's cost.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autoplan.cost.devices import DeviceProfile
+from autoplan.shard.strategies import aliases_input
 from autoplan.trace.clustering import layer_instances
 from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 
@@ -58,6 +62,30 @@ def parameter_only(tg: TracedGraph) -> frozenset[fx.Node]:
     return frozenset(found)
 
 
+def regathered(nodes: list[fx.Node], params: set[fx.Node]) -> frozenset[fx.Node]:
+    """Forward views of parameters (through views only). Where a plan reads a parameter in another
+    placement, such a view owns the gathered copy, and the lowering gathers it again for the
+    backward instead of keeping it (FSDP's reshard after forward, ``passes.fsdp_recompute``)."""
+    found: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "call_function" and n.meta.get(PHASE_KEY) == "forward" and aliases_input(n):
+            ins = n.all_input_nodes
+            if len(ins) == 1 and (ins[0] in params or ins[0] in found):
+                found.add(n)
+    return frozenset(found)
+
+
+def read_again(tg: TracedGraph) -> frozenset[fx.Node]:
+    """The ``regathered`` views the backward reads, itself or through another: the backward runs
+    the move into each of them again."""
+    views = regathered(list(tg.gm.graph.nodes), set(tg.placeholder_for("param").values()))
+    found: set[fx.Node] = set()
+    for n in reversed(tg.gm.graph.nodes):
+        if n in views and any(phase(u) == "backward" or u in found for u in n.users):
+            found.add(n)
+    return frozenset(found)
+
+
 def segment(instance: str, phase_name: str) -> str:
     return f"{instance or '(outside layers)'} {phase_name}"
 
@@ -70,20 +98,22 @@ class Hiding:
     instance: dict[fx.Node, str]  # node -> layer instance, "" outside repeated layers
     params: frozenset[fx.Node]
     early: frozenset[fx.Node]  # parameter-only values where the program prefetches them, else none
+    again: frozenset[fx.Node]  # views whose incoming move the backward runs again (``read_again``)
 
     @classmethod
     def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None, prefetch: bool = False) -> Hiding:
         if instance is None:
             instance = {n: i for n, (i, _) in layer_instances(tg).items()}
         early = parameter_only(tg) if prefetch else frozenset()
-        return cls(instance, frozenset(tg.placeholder_for("param").values()), early)
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), early, read_again(tg))
 
-    def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool) -> str | None:
+    def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool, again: bool = False) -> str | None:
         """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.
 
         ``reader`` reads the moved value in its input (an op) or, with ``into_output``, in its
         output placement (a parameter taking its gradient, a tangent taking a model output). A
-        prefetched parameter-only value read by an op counts in the op's segment; a gradient moved
+        prefetched parameter-only value read by an op counts in the op's segment (``again``: the
+        backward's run of the move, in the backward segment of the op's layer); a gradient moved
         into its parameter's placement counts in its producer's (the move runs while the backward
         goes on).
         """
@@ -95,7 +125,7 @@ class Hiding:
             return None
         else:
             at = reader
-        return segment(self.instance.get(at, ""), phase(at))
+        return segment(self.instance.get(at, ""), "backward" if again else phase(at))
 
 
 def least(seconds: np.ndarray) -> float:
@@ -104,21 +134,14 @@ def least(seconds: np.ndarray) -> float:
     return float(finite.min()) if finite.size else 0.0
 
 
-def budgets(tg: TracedGraph, least_of: Callable[[fx.Node], float], profile: DeviceProfile) -> dict[str, float]:
-    """Per segment (layer instance and phase, as ``evaluate`` sees them): the ``hiding_budget`` of
-    the compute it needs at least, from each node's ``least_of``."""
+def budgets(tg: TracedGraph, least_of: Callable[[fx.Node], float]) -> dict[str, float]:
+    """Per segment (layer instance and phase, as ``evaluate`` sees them): the compute it needs at
+    least, from each node's ``least_of``, which its hideable communication can run under."""
     out: dict[str, float] = defaultdict(float)
     for n, (inst, _) in layer_instances(tg).items():
         if n.op == "call_function":
             out[segment(inst, phase(n))] += least_of(n)
-    return {k: hiding_budget(v, profile) for k, v in out.items()}
-
-
-def hiding_budget(compute_seconds: float, profile: DeviceProfile) -> float:
-    """The communication a segment of ``compute_seconds`` can run under: all of it where collectives
-    run on their own stream or engine (NCCL), a measured fraction where they compete with compute
-    for the same cores (gloo on a small CPU: ``DeviceProfile.comm_overlap``, ``autoplan calibrate``)."""
-    return compute_seconds * profile.comm_overlap
+    return dict(out)
 
 
 def hidden_seconds(budget: dict[str, float], comm: dict[str, float]) -> float:

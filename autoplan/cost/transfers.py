@@ -154,6 +154,13 @@ def mixed_partials(placements: Placements) -> bool:
 _COPIES = frozenset({"local", "relayout"})  # kinds that are one memory-bound copy kernel, no communication
 
 
+def starts_with_gather(transfers: Sequence[Transfer]) -> bool:
+    """Whether a move's first collective is an all-gather: for a parameter, the lowering runs such
+    a move again in the backward, all of it, instead of keeping its result
+    (``passes.fsdp_recompute`` tags a parameter's gather and everything after it)."""
+    return next((t.kind for t in transfers if t.kind not in _COPIES), None) == "all_gather"
+
+
 def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
     if transfer.kind in _COPIES:  # reads and writes its bytes
         return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
@@ -175,15 +182,16 @@ def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
 def plan_seconds(
     transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict
 ) -> tuple[float, float]:
-    """A redistribution's time, and the part of it its collectives take. Gather pairs that the
+    """A redistribution's time, and the part of it that can run beside compute. Gather pairs that the
     fusion pass merges are priced as the one collective that runs (over the flattened mesh), plus
     the local chunk transpose it needs when the outer mesh dim was gathered first. ``memo``: each
     primitive's seconds by (kind, mesh dim, bytes), kept by the caller for this topology and
     profile (a 3-D mesh's moves price ~300 K primitives, a few thousand distinct).
 
-    Only the collectives can run beside compute (on their own stream, or gloo's threads); the
-    copies (re-layouts, chunk picks) are kernels of the rank's own program, in line with its
-    compute, so they never hide (``autoplan.cost.overlap``)."""
+    Only the collectives can run beside compute (on their own stream, or gloo's threads), and only
+    the ``comm_overlap`` fraction of their time: gloo's threads need the cores the compute holds for
+    much of theirs. The copies (re-layouts, chunk picks) are kernels of the rank's own program, in
+    line with its compute, so they never hide (``autoplan.cost.overlap``)."""
 
     def seconds(t: Transfer) -> float:
         key = (t.kind, t.mesh_dim, t.nbytes)
@@ -207,4 +215,4 @@ def plan_seconds(
             copies += seconds(t)
         else:
             collectives += seconds(t)
-    return copies + collectives, collectives
+    return copies + collectives, collectives * profile.comm_overlap

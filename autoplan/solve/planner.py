@@ -564,7 +564,7 @@ class Planner:
         cap or the expanded cost is not the ILP's objective."""
         tg, chosen, reps = self.tg, refined.chosen, self.clustering.rep
         rules = {n: self.strategies[reps[n]].source for n in chosen if reps[n] in self.strategies}
-        budget = overlap.budgets(tg, lambda n: problem.least_compute.get(reps[n], 0.0), cost_model.profile)
+        budget = overlap.budgets(tg, lambda n: problem.least_compute.get(reps[n], 0.0))
         all_moves = self.shared.moves(request.outputs)
         ev = evaluate(chosen, cost_model, all_moves, rules, budget)
         why = alternatives(chosen, self._explain_options(request, rules), cost_model, all_moves, budget)
