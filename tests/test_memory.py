@@ -291,9 +291,7 @@ def test_peak_rows_count_exactly_what_the_walk_does():
     moved where it is made: its buffers, then its moved copy, priced on the gradient's edge) and
     whose views read inputs moved whole (a gather through the whole weight to take a slice of it).
     Some of those steps peak while their op runs, others while its inputs move, before it makes
-    its output (the moves' buffers are freed by then): a row bounds the moment the walk found. The
-    plan gathers activations through views the backward reads: the walk ends each such activation
-    at its gather, and the rows take its bytes off where the view's move is made."""
+    its output (the moves' buffers are freed by then): a row bounds the moment the walk found."""
     from autoplan.cost import memory
 
     model, cfg = named_model("llama3-debug", torch.float32)

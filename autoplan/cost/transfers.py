@@ -154,13 +154,6 @@ def mixed_partials(placements: Placements) -> bool:
 _COPIES = frozenset({"local", "relayout"})  # kinds that are one memory-bound copy kernel, no communication
 
 
-def starts_with_gather(transfers: Sequence[Transfer]) -> bool:
-    """Whether a move's first collective is an all-gather: for a parameter, the lowering runs such
-    a move again in the backward, all of it, instead of keeping its result
-    (``passes.fsdp_recompute`` tags a parameter's gather and everything after it)."""
-    return next((t.kind for t in transfers if t.kind not in _COPIES), None) == "all_gather"
-
-
 def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
     if transfer.kind in _COPIES:  # reads and writes its bytes
         return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch
