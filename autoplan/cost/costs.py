@@ -134,7 +134,7 @@ class _UnevenMove:
 
 
 _UNKNOWN = object()
-_CANNOT = (math.inf, math.inf)  # a move DTensor cannot run: its seconds and their collectives' part
+_CANNOT = (math.inf, math.inf)  # a move DTensor cannot run: its seconds and their hideable part
 
 
 class UnsupportedRedistribution(ValueError):
@@ -155,7 +155,7 @@ class CostModel:
         self._dims: list[tuple[int | None, ...]] = []  # per id: the tensor dim each mesh dim splits
         self._splits: dict[tuple[int | None, ...], int] = {}  # a number per distinct ``_dims`` entry
         self._split_of: list[int] = []  # per id: its ``_dims`` entry's number
-        self._costs: dict[tuple, tuple[float, float]] = {}  # by ``_key``: seconds, their collectives' part
+        self._costs: dict[tuple, tuple[float, float]] = {}  # by ``_key``: seconds, their hideable part
         self._plans: dict[tuple, tuple[Transfer, ...] | None] = {}  # by ``_move``
         self._seconds: dict[tuple, tuple[float, float]] = {}  # by ``_move``: as ``_costs``
         self._step_plans: dict[tuple, tuple[Transfer, ...]] = {}  # by (step, local shapes, contiguous, itemsize)
@@ -392,8 +392,9 @@ class CostModel:
         return self._cost(src, dst, meta, self._key(src, dst, meta))[0]
 
     def hideable_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
-        """The part of ``redistribute_cost`` that can run under compute: its collectives' seconds
-        (its copies run in line with the rank's compute; ``plan_seconds``)."""
+        """The part of ``redistribute_cost`` that can run under compute: the profile's
+        ``comm_overlap`` share of its collectives' seconds (its copies run in line with the rank's
+        compute; ``plan_seconds``)."""
         return self._cost(src, dst, meta, self._key(src, dst, meta))[1]
 
     def _cost(self, src: Placements, dst: Placements, meta: TensorMeta, key: tuple) -> tuple[float, float]:
@@ -409,7 +410,7 @@ class CostModel:
     def _move_seconds(
         self, move: tuple, steps: tuple[_Step, ...] | None, meta: TensorMeta, src: int
     ) -> tuple[float, float]:
-        """A move's seconds and its collectives' part (``math.inf`` where DTensor cannot run it),
+        """A move's seconds and their hideable part (``math.inf`` where DTensor cannot run it),
         kept by ``_move``."""
         plan = self._plan_of(move, steps, meta, src)
         found = _CANNOT if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
