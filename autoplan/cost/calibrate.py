@@ -56,6 +56,10 @@ class CalibrateOptions:
     fast: bool = False
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     name: str | None = None  # the profile's name; default from the device
+    # The longest one kernel call may take: a dtype's larger sizes past the first that takes longer
+    # are left out (a CPU without native bf16 runs a 2048-cube bf16 matmul for ~20 s, and would
+    # take minutes over the table), and its curve ends at the last size measured.
+    call_seconds: float = 0.25
 
     def matmul_sizes(self, device: torch.device) -> tuple[int, ...]:
         """Square matmul sizes; a GPU's tensor cores fill up only past 4096."""
@@ -118,13 +122,32 @@ def matmul_shapes(n: int) -> tuple[tuple[int, int, int], ...]:
     return ((n, n, n), (max(n // 8, 1), n, n), (max(n // 32, 1), n, n))
 
 
+def _too_slow(fn: Callable[[], object], device: torch.device, opts: CalibrateOptions, what: str, say) -> bool:
+    """Whether one call of ``fn`` takes longer than ``CalibrateOptions.call_seconds``; says so. Not
+    warmed up first: the kernels of a smaller size of the same kind have run."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    t = time.perf_counter() - t0
+    if t > opts.call_seconds:
+        say(f"{what}: {t:.2f} s a call, over {opts.call_seconds} s: larger sizes left out")
+    return t > opts.call_seconds
+
+
 def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> dict:
     """Per dtype name: ``[(size, FLOPs of one matmul, FLOP/s, thinness)]`` for each of
-    ``matmul_shapes`` at each size."""
+    ``matmul_shapes`` at each size, up to the first size whose square matmul is ``_too_slow``
+    (always the smallest)."""
     table = {}
     for dtype in opts.dtypes:
         rows = []
-        for size in opts.matmul_sizes(device):
+        for i, size in enumerate(opts.matmul_sizes(device)):
+            square = torch.randn(size, size, device=device).to(dtype)
+            if i and _too_slow(
+                lambda a=square: torch.mm(a, a), device, opts, f"matmul {dtype_name(dtype)} {size}", say
+            ):
+                break
             for m, k, n in matmul_shapes(size):
                 a = torch.randn(m, k, device=device).to(dtype)
                 b = torch.randn(k, n, device=device).to(dtype)
@@ -141,11 +164,12 @@ def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[
 def measure_attention(device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> dict:
     """Per dtype name: ``[(sequence length, FLOPs of a forward and backward, FLOP/s)]``, the FLOPs
     by the cost model's own formula (``flops.sdpa_flops``: causal halves the work; the backward is
-    2.5 forwards), so the fractions apply to the FLOPs the cost model counts."""
+    2.5 forwards), so the fractions apply to the FLOPs the cost model counts; up to the first
+    length whose step is ``_too_slow`` (always the shortest)."""
     table = {}
     for dtype in opts.dtypes:
         rows = []
-        for heads, seq, dim in opts.attention_shapes(device):
+        for i, (heads, seq, dim) in enumerate(opts.attention_shapes(device)):
             q, k, v = (torch.randn(1, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
             grad = torch.randn(1, heads, seq, dim, device=device, dtype=dtype)
             flops = 3.5 * sdpa_flops(q.shape, k.shape, v.shape, is_causal=True)
@@ -154,6 +178,8 @@ def measure_attention(device: torch.device, opts: CalibrateOptions, say: Callabl
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
                 return torch.autograd.grad(out, (q, k, v), grad)
 
+            if i and _too_slow(step, device, opts, f"attention {dtype_name(dtype)} seq {seq}", say):
+                break
             inner = max(1, int((2e8 if device.type == "cpu" else 2e11) // flops))
             s = _seconds(step, device, opts.repeats, inner)
             rows.append((seq, flops, flops / s))
