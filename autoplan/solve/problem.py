@@ -235,7 +235,7 @@ class Shared:
 
 def op_inputs(all_moves: list[Move]) -> list[tuple[fx.Node, int, fx.Node, int]]:
     """The ops' tensor inputs among ``all_moves`` as (op, slot, producer, output index), in graph order."""
-    return [(m.dst, m.slot, m.src, m.k) for m in all_moves if m.slot is not None and not m.again]
+    return [(m.dst, m.slot, m.src, m.k) for m in all_moves if m.slot is not None]
 
 
 def _producer_reps(inputs: list[tuple], clustering: Clustering) -> dict[fx.Node, set]:
@@ -365,13 +365,11 @@ def _mapped(labels: tuple[list, np.ndarray], m: np.ndarray) -> tuple[list, np.nd
 def move_counts(
     all_moves: list[Move], clustering: Clustering
 ) -> tuple[dict[tuple, int], list[tuple[fx.Node, int, Placements]]]:
-    """``all_moves`` by representatives: (producer rep, output index, consumer rep, slot, again) ->
-    how many moves it stands for, and the moves to fixed placements as (producer rep, output index,
-    placements).
+    """``all_moves`` by representatives: (producer rep, output index, consumer rep, slot) -> how many
+    moves it stands for, and the moves to fixed placements as (producer rep, output index, placements).
 
     Slots are tensor-input positions; ``"out"`` marks a value that must arrive in the consumer's
     *output* placement: a gradient in its parameter's placement, an output in its tangent's.
-    ``again``: the backward's second run of a move into a gathered view (``Move.again``).
     """
     rep = clustering.rep
     edges: dict[tuple, int] = defaultdict(int)
@@ -380,7 +378,7 @@ def move_counts(
         if m.dst is None:
             sinks.append((rep[m.src], m.k, m.fixed))
         else:
-            edges[(rep[m.src], m.k, rep[m.dst], "out" if m.slot is None else m.slot, m.again)] += 1
+            edges[(rep[m.src], m.k, rep[m.dst], "out" if m.slot is None else m.slot)] += 1
     return edges, sinks
 
 
@@ -421,15 +419,13 @@ def build_problem(
     def own_labels(node, side, values):  # a node's strategy tuple outlives a build (re-solves)
         return shared.labels(strats[node], side, values)
 
-    for (ur, k, cr, slot, again), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
+    for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
         edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)
-        meta = tensor_meta(output_vals(ur)[k])
-        runs = cost_model.reruns(edge.srcs, edge.dsts, meta) * mult if again else mult  # a regather, or none
-        cost = edge.cost * runs
-        name = shared.hiding.segment_of(ur, cr, slot == "out", again)
+        cost = edge.cost * mult
+        name = shared.hiding.segment_of(ur, cr, slot == "out")
         if name is not None:  # only its collectives hide: its copies run in line with compute
-            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, meta)
-            hideable.append((name, dataclasses.replace(edge, cost=seconds * runs)))
+            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, tensor_meta(output_vals(ur)[k]))
+            hideable.append((name, dataclasses.replace(edge, cost=seconds * mult)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)
         elif edge.key in groups:
