@@ -19,7 +19,7 @@ from autoplan.bench.validate import kendall_tau
 from autoplan.cli import main
 from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_kinds, fit_link
 from autoplan.cost.costs import CostModel
-from autoplan.cost.devices import CPU_GLOO, profile_from_json, profile_to_json, resolve_profile, thinness
+from autoplan.cost.devices import CPU_GLOO, dtype_name, profile_from_json, profile_to_json, resolve_profile, thinness
 from autoplan.cost.network import flat_collective_seconds
 from autoplan.errors import ConstraintError
 
@@ -49,7 +49,7 @@ def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, c
     assert profile.name.startswith("calibrated cpu") and profile.compute_efficiency == 1.0
     for dtype in (torch.float32, torch.bfloat16):  # one curve per dtype measured
         curve = profile.curve_for("matmul", dtype)
-        sizes = len(doc["measured"]["matmul"][str(dtype).removeprefix("torch.")]) // 3  # a slow bf16 stops early
+        sizes = len(doc["measured"]["matmul"][dtype_name(dtype)]) // 3  # a slow bf16 stops early
         assert len(curve) == sizes and (dtype == torch.bfloat16 or sizes == 4) and all(0 < f <= 1 for _, f in curve)
         # the fastest shape is the peak (a thin one, on a CPU whose bf16 is emulated)
         assert max(f for _, c in profile.curves_for("matmul", dtype) for _, f in c) == 1.0
@@ -57,7 +57,8 @@ def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, c
         assert profile.efficiency_at(1e30, dtype) == curve[-1][1]
         assert [t for t, _ in profile.curves_for("matmul", dtype)] == [1.0, 1.667, 3.57]  # square and two thin
         attention = profile.curve_for("attention", dtype)
-        assert 1 <= len(attention) <= 2 and all(0 < f <= 1 for _, f in attention)
+        assert len(attention) == 2 or (dtype == torch.bfloat16 and len(attention) == 1)
+        assert all(0 < f <= 1 for _, f in attention)
     assert profile.curve_for("matmul", torch.float32) != profile.curve_for("matmul", torch.bfloat16)
     assert profile.curve_for("matmul", torch.float64) == profile.curve_for("matmul", torch.float32)  # nearest rate
     assert resolve_profile(str(out)) == profile
@@ -125,7 +126,7 @@ def test_comm_overlap_scales_what_communication_hides_under():
             costs[overlap] = hand_plan(ap, "fsdp", 1).cost
     assert costs[0.0].hidden_comm == 0 and costs[1.0].hidden_comm > 0
     compute = costs[1.0].compute_forward + costs[1.0].compute_backward
-    assert costs[1.0].hidden_comm < compute / 4  # no segment's compute bounds what hides
+    assert costs[1.0].hidden_comm < compute / 4  # far below the compute: the exact half below shows no budget binds
     assert costs[0.5].hidden_comm == pytest.approx(costs[1.0].hidden_comm / 2, rel=1e-9)
     assert costs[0.0].total == pytest.approx(costs[0.0].compute_forward + costs[0.0].compute_backward + costs[0.0].comm)
     assert costs[0.0].total > costs[1.0].total
