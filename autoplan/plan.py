@@ -106,6 +106,7 @@ class Redistribution:
     seconds: float
     phase: str
     nbytes: int = 0  # one rank's shard of the moved tensor, in its source placement
+    again: bool = False  # the backward's second run of a forward move (a parameter's regather)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class Plan:
     # ---- reporting -------------------------------------------------------------------------
 
     def collective_counts(self) -> dict[str, int]:
+        """The collectives one step runs, by kind: the backward's regathers of parameters included."""
         counts: dict[str, int] = defaultdict(int)
         for r in self.redistributions:
             for kind, _ in r.collectives:
@@ -366,6 +368,7 @@ class Plan:
                     seconds=r["seconds"],
                     phase=r["phase"],
                     nbytes=r.get("nbytes", 0),
+                    again=r.get("again", False),
                 )
                 for r in d["redistributions"]
             ],

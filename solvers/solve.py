@@ -446,8 +446,10 @@ def _first_columns(model: LinearModel, screen: Screen, pool: np.ndarray) -> np.n
 def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndarray] | None) -> SolveResult | None:
     """The LP by column generation over the screen's continuous columns (``pricing.priced_lp``, on
     a large pool stopped within a share of the gap asked), its point taken when integral; else
-    integer points completed near it, or the MIP, over the columns the LP used (its bound, one on
-    the whole LP, still bounds the whole model). ``None``: the whole model is solved as usual."""
+    integer points completed near it over the columns the LP used (its bound, one on the whole LP,
+    still bounds the whole model), then over every column, and at last the MIP over the columns
+    the LP or the best point use. A point near a fractional LP often needs pair columns pricing
+    never added: the LP had no use for them. ``None``: the whole model is solved as usual."""
     model = st.model
     held = tightened(model)  # the same integer points, a tighter LP
     pool = screen.unit & ~model.integer & (held.col_ub > 0)
@@ -468,7 +470,15 @@ def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndar
     sub_st = _Solve(sub, st.options, st.name, st.run, _remaining(st.opts, st.started), perf_counter(), st.passes)
     sub_st.lp_bound = lp.bound
     try:
-        point = _completions(sub_st, lp.x[keep], _sub_rounding(rounding, full, keep), None) or _mip(sub_st)
+        point = _completions(sub_st, lp.x[keep], _sub_rounding(rounding, full, keep), None)
+        if point is None:  # no plan over the priced columns within the gap: look past them
+            st.lp_bound = lp.bound
+            if (whole := _completions(st, lp.x, rounding, None)) is not None:
+                return whole
+            if st.best is not None and (sub_st.best is None or st.best[1] < sub_st.best[1]):
+                sub, full, keep = model.restricted(~(found.active | (st.best[0] != 0)), np.zeros(model.n_cols))
+                sub_st = replace(sub_st, model=sub, best=(st.best[0][keep], st.best[1]))
+            point = _mip(sub_st)
     except (InfeasibleError, SolverTimeoutError):
         return None
     if point.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):

@@ -1,5 +1,7 @@
 """Lowering on a fake 2x4 mesh: the per-rank graphs carry exactly the plan's collectives."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import expected_on_cpu, fake_mesh
@@ -33,13 +35,17 @@ def lowered_llama():
 def test_lowered_collectives_are_exactly_the_planned_ones(lowered_llama):
     _, lowered, _, ap = lowered_llama
     plan = ap.applied_plan  # what was lowered: the plan after round-trip removal
-    planned = expected_on_cpu(plan.collective_counts())
+    first = dataclasses.replace(plan, redistributions=[r for r in plan.redistributions if not r.again])
+    planned = expected_on_cpu(first.collective_counts())
     planned["all_gather"] -= lowered.gather_fusion.fused  # each fused chain: two gathers became one
     assert lowered.collective_counts() == planned
     fwd, bwd = count_collectives(lowered.forward), count_collectives(lowered.backward)
-    # partitioning drops nothing and re-runs only the parameter gathers tagged for recompute
+    # partitioning drops nothing and re-runs only the parameter gathers tagged for recompute: one
+    # (fused) gather for each regather the plan priced
     reruns = rerun_collectives(lowered.backward)
-    assert reruns.get("all_gather", 0) > 0
+    regathers = [r for r in plan.redistributions if r.again and r.collectives]
+    assert regathers and all({k for k, _ in r.collectives} == {"all_gather"} for r in regathers)
+    assert reruns == {"all_gather": len(regathers)}
     joint = lowered.collective_counts()
     expected = {k: v + reruns.get(k, 0) for k, v in joint.items()}
     assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in joint} == expected
@@ -131,10 +137,13 @@ def test_fsdp_plan_saves_no_gathered_parameter_for_backward(lowered_llama):
     plan, lowered, _, _ = lowered_llama
     assert lowered.recompute.chains > 0
     assert _saved_gathered_params(lowered) == []
-    # the backward re-gathers them instead: it has more all-gathers than the plan's backward alone
+    # the backward re-gathers them instead: it has more all-gathers than the plan's backward moves
+    # alone, the regathers the plan prices beside them (``Redistribution.again``)
+    first_runs = [r for r in plan.redistributions if r.phase == "backward" and not r.again]
     assert count_collectives(lowered.backward)["all_gather"] > sum(
-        1 for r in plan.redistributions if r.phase == "backward" for k, _ in r.collectives if k == "all_gather"
+        1 for r in first_runs for k, _ in r.collectives if k == "all_gather"
     )
+    assert any(r.again for r in plan.redistributions)
 
 
 def test_keeping_gathered_parameters_saves_them(lowered_llama):

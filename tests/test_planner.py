@@ -1,5 +1,7 @@
 """Placements must emerge from costs: DDP, FSDP and TP, with no special cases in the planner."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import fake_mesh
@@ -63,7 +65,13 @@ def test_mlp_with_param_budget_is_fully_sharded():
         assert [m.collectives for m in path_moves] == [(("all_gather", 0),)], fqn
         assert path_moves[0].dst == (R,)
     # ... and each gradient is reduced once, by a reduce-scatter to its shard: no all-reduce anywhere
-    assert plan.collective_counts() == {"all_gather": 4, "reduce_scatter": 4}
+    first = dataclasses.replace(plan, redistributions=[r for r in plan.redistributions if not r.again])
+    assert first.collective_counts() == {"all_gather": 4, "reduce_scatter": 4}
+    # the backward gathers again the one weight it reads (the second linear's, for the input's
+    # gradient of its matmul; the first one's input takes no gradient), and the plan prices it
+    again = [r for r in plan.redistributions if r.again]
+    assert [(r.collectives, r.phase) for r in again] == [((("all_gather", 0),), "backward")]
+    assert plan.nodes[again[0].consumer].module == "fc2"
 
 
 @pytest.fixture(scope="module")

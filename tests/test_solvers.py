@@ -866,3 +866,31 @@ def test_column_generation_stops_within_the_gap_it_is_given():
     assert objective > whole and relative_gap(objective, early.solution.bound) <= 0.2
     activity = model.activity(early.solution.x)
     assert np.all(activity >= model.row_lo - 1e-7) and np.all(activity <= model.row_hi + 1e-7)
+
+
+def test_a_priced_solve_completes_its_point_with_pair_columns_pricing_never_added():
+    """The LP priced from each row's two cheapest pairs is fractional (half of each unit on the
+    choice the budget allows once) and never needs the mixed pairs (0, 1) and (1, 0); the best
+    plan uses one. The completion looks past the priced columns to find it, where a search over
+    them alone ends at the (1, 1) plan, 6 dearer."""
+    from solvers import Screen
+
+    b = ModelBuilder("pool")
+    x = b.add_vars(6, cost=[0.0, 10.0, 100.0] * 2).reshape(2, 3)
+    pair = np.array([[0.0, 4.0, 3.0], [4.0, 0.0, 3.0], [3.0, 3.0, 0.0]])
+    e = b.add_vars(9, cost=pair.ravel(), integer=False)
+    o, q = np.divmod(np.arange(9), 3)
+    b.add_rows(
+        np.r_[o, 3 + q, np.arange(3), 3 + np.arange(3)],
+        np.r_[e, e, x[0], x[1]],
+        np.r_[np.ones(18), -np.ones(6)],
+        0.0,
+        0.0,
+    )
+    b.add_rows([0, 0], x[:, 0], 1.0, -np.inf, 1.0, group="budget")  # choice 0 for one unit only
+    rest = b.add_vars(20, cost=np.tile([1.0, 2.0], 10)).reshape(10, 2)  # settled units: the fractional ones stay few
+    b.add_rows(np.r_[0, 0, 0, 1, 1, 1, 2 + np.repeat(np.arange(10), 2)], np.r_[x.ravel(), rest.ravel()], 1.0, 1.0, 1.0)
+    model = b.build()
+    res = solve(model, mip_rel_gap=1e-9, screen=Screen(np.zeros(model.n_rows), _unit_columns(model)))
+    assert res.objective == pytest.approx(10.0 + 4.0 + 10.0)
+    assert {int(np.argmax(res.x[x[u]])) for u in range(2)} == {0, 1}

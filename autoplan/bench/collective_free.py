@@ -14,9 +14,9 @@ import torch
 
 from autoplan.adapters.ops import base_name
 
-# Collectives whose output is their input (same shape, no re-layout); every other one becomes a new
-# tensor of its output's shape.
-_PASS_THROUGH = ("all_reduce", "wait_tensor", "broadcast")
+# Ops whose output is their input; every collective becomes a new tensor of its output's shape, as
+# the functional ones make (an all-reduce too: its result is a new tensor beside its input).
+_PASS_THROUGH = ("wait_tensor", "broadcast")
 
 
 def _free_shard_dim_alltoall(t: torch.Tensor, gather_dim: int, shard_dim: int, n: int) -> torch.Tensor:
@@ -32,10 +32,10 @@ def collective_free(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dic
     """A copy of a lowered graph with every collective made free.
 
     On a fake process group a collective returns at once but may still copy (the coalesced
-    all-gather copies its input once per rank), which no real rank does. Here an all-reduce or a
-    wait returns its input and every other functional collective a new tensor of its output's
-    shape: uninitialised for floating point, zeros otherwise (gathered token ids must stay valid
-    indices). DTensor's GPU all-to-all keeps its local copies. What remains is the rank's compute
+    all-gather copies its input once per rank), which no real rank does. Here a wait returns its
+    input and every functional collective a new tensor of its output's shape, as it allocates one
+    (an all-reduce too): uninitialised for floating point, zeros otherwise (gathered token ids must
+    stay valid indices). DTensor's GPU all-to-all keeps its local copies. What remains is the rank's compute
     and local work. Returns the copy and the collectives replaced, by op name.
     """
     from autoplan.lower.collectives import communicates

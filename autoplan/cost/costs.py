@@ -32,6 +32,7 @@ from autoplan.cost.network import MeshTopology
 from autoplan.cost.transfers import (
     Transfer,
     TransferKind,
+    communicates,
     is_contiguous,
     made_bytes,
     mixed_partials,
@@ -427,6 +428,20 @@ class CostModel:
     def hideable_costs(self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta) -> np.ndarray:
         """``hideable_cost`` over every pair, as ``redistribute_costs``."""
         return self._costs_matrix(srcs, dsts, meta, 1)
+
+    def reruns(self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta) -> np.ndarray:
+        """Per pair, 1 where the backward runs the move again when it feeds a parameter's gathered
+        view (``Move.again``): one that runs a collective, which the lowering re-runs rather than
+        keep its result; 0 for a move of local copies only, whose result the backward keeps."""
+        key = (tuple(self._id(o) for o in srcs), tuple(self._id(q) for q in dsts), "reruns", *tensor_key(meta))
+        found = self._matrices.get(key)
+        if found is None:
+            found = np.array(
+                [[float(s != d and communicates(self._plan(s, d, meta) or ())) for d in dsts] for s in srcs]
+            ).reshape(len(srcs), len(dsts))
+            found.setflags(write=False)
+            self._matrices[key] = found
+        return found
 
     def _costs_matrix(
         self, srcs: Sequence[Placements], dsts: Sequence[Placements], meta: TensorMeta, part: int

@@ -49,6 +49,7 @@ from autoplan.adapters.dtensor import Placements, tensor_meta
 from autoplan.cost import moves
 from autoplan.cost.costs import Price, local_bytes
 from autoplan.cost.moves import Move
+from autoplan.cost.overlap import regathered
 from autoplan.plan import MemoryReport
 from autoplan.shard.strategies import Strategy, aliases_input, output_vals, value_of
 from autoplan.trace.recompute import closure, just_in_time, layer_of
@@ -124,6 +125,7 @@ class Schedule:
     n_steps: int
     param_values: frozenset[fx.Node] = frozenset()  # parameters and their forward views
     issued: dict[Key, int] = field(default_factory=dict)  # op reading param_values -> its gathers' step
+    views: dict[Key, tuple[Key, ...]] = field(default_factory=dict)  # each entry -> the views read from it
 
 
 def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[Key], dict[Key, list[Key]]]:
@@ -147,19 +149,6 @@ def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[K
         late = isinstance(k, Recomputed) or n in in_backward
         inputs[k] = [read_in_backward(a) if late else a for a in n.all_input_nodes]
     return order, inputs
-
-
-def regathered(nodes: list[fx.Node], params: set[fx.Node]) -> frozenset[fx.Node]:
-    """Forward views of parameters (through views only). Where a plan reads a parameter in another
-    placement, such a view owns the gathered copy, and the lowering gathers it again for the
-    backward instead of keeping it (FSDP's reshard after forward, ``passes.fsdp_recompute``)."""
-    found: set[fx.Node] = set()
-    for n in nodes:
-        if n.op == "call_function" and n.meta.get(PHASE_KEY) == "forward" and aliases_input(n):
-            ins = n.all_input_nodes
-            if len(ins) == 1 and (ins[0] in params or ins[0] in found):
-                found.add(n)
-    return frozenset(found)
 
 
 def prefetch_steps(order: list[Key], step: dict[Key, int], reading: list[Key]) -> dict[Key, int]:
@@ -245,7 +234,15 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset(), pref
         len(order),
         param_values,
         issued,
+        _views_of(view_last, inputs),
     )
+
+
+def _views_of(view_last: dict[Key, int], inputs: dict[Key, list[Key]]) -> dict[Key, tuple[Key, ...]]:
+    out: dict[Key, list[Key]] = {}
+    for k in view_last:
+        out.setdefault(inputs[k][0], []).append(k)
+    return {k: tuple(v) for k, v in out.items()}
 
 
 @dataclass(frozen=True)
@@ -358,17 +355,23 @@ def _gathered_params(n: fx.Node, chosen: dict[fx.Node, Strategy], values: frozen
 
 
 def output_move_bytes(
-    tg: TracedGraph, chosen: dict[fx.Node, Strategy], fixed_outputs: dict[int, Placements], move: Price
+    tg: TracedGraph,
+    chosen: dict[fx.Node, Strategy],
+    fixed_outputs: dict[int, Placements],
+    move: MovePrice,
+    sched: Schedule,
 ) -> float:
     """Bytes the model outputs' moves to their constrained placements (or their tangents') hold at
-    the end of the forward, where the lowering makes them."""
+    the end of the forward, where the lowering makes them. An output the backward does not read is
+    freed once the move's first step has read it (``consumed``)."""
     total = 0.0
     for m in moves.output_moves(tg, fixed_outputs):
         if m.value not in chosen or (m.dst is not None and m.dst not in chosen):
             continue
         target, made = m.fixed if m.dst is None else chosen[m.dst].outputs[0], chosen[m.value].outputs[0]
         if made != target:
-            total += move(made, target, m.meta)
+            consumed = sched.dies.get(sched.owner.get(m.value), sched.n_steps) <= sched.forward_end
+            total += move(made, target, m.meta, consumed=consumed)
     return total
 
 
@@ -401,19 +404,66 @@ def _storages(
     sched: Schedule, chosen: dict[fx.Node, Strategy], mesh_shape, move: MovePrice, dies: dict[Key, int]
 ) -> dict[Key, tuple[int, int, int]]:
     """Storage -> (bytes, first step, last step) under ``chosen``. A view of a moved value owns the
-    moved copy (its views too), from the view's step to its views' last reader."""
+    moved copy (its views too), from the view's step to its views' last reader; the value it was
+    moved from no longer lives for those readers (an activation gathered for a matmul dies at its
+    gather when the backward reads only the gathered copy)."""
     owned: dict[Key, tuple[int, int, int]] = {}
+    copies = {
+        k
+        for k, o in sched.owner.items()
+        if o is not k and node_of(k) in chosen and _moved_inputs(node_of(k), chosen, move)
+    }
     for k, owner in sched.owner.items():
         n = node_of(k)
         if n not in chosen:
             continue
         if owner is k:
             owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), sched.born[k], dies[k])
-        elif _moved_inputs(n, chosen, move):
+        elif k in copies:
             early = k in sched.issued and _gathered_params(n, chosen, sched.param_values, mesh_shape)
             born = sched.issued[k] if early else sched.step[k]
             owned[k] = (value_bytes(n, chosen[n].outputs, mesh_shape), born, sched.view_last[k])
+    for o, last in _outlived(sched, copies, dies).items():
+        if o in owned:
+            owned[o] = (*owned[o][:2], last)
     return owned
+
+
+def _outlived(sched: Schedule, copies: set[Key], dies: dict[Key, int]) -> dict[Key, int]:
+    """The last step of each storage some of whose views own a moved copy (``copies``), counting
+    only the readers of the storage itself and of the views that still share it. Parameters,
+    inputs and outputs keep their lifetimes, and so does a storage the gradient walk ended."""
+    last = {}
+    for o in {sched.owner[k] for k in copies}:
+        if not _may_outlive(sched, o, dies):
+            continue
+        last[o] = sched.last_use[o]
+        stack = [v for v in sched.views.get(o, ()) if v not in copies]
+        while stack:
+            v = stack.pop()
+            last[o] = max(last[o], sched.last_use[v])
+            stack += [w for w in sched.views.get(v, ()) if w not in copies]
+    return last
+
+
+def _may_outlive(sched: Schedule, owner: Key, dies: dict[Key, int]) -> bool:
+    """Whether ``owner``'s storage may die before its views' last reader (``_outlived``)."""
+    return owner not in sched.resident and dies[owner] == sched.dies[owner] != sched.n_steps - 1
+
+
+def held_by_views(sched: Schedule, storages: list[Key], step: int) -> list[tuple[Key, Key]]:
+    """(storage, view) for each of ``storages`` alive at ``step`` only because one view read from
+    it is still read (itself or through its own views): where that view reads it moved, the
+    storage is dead by then (``_outlived``). An ILP row counts such a storage less its bytes where
+    the view's input move is made; one kept by several views it counts whole (never less than the
+    walk)."""
+    out = []
+    for o in storages:
+        if _may_outlive(sched, o, sched.dies) and sched.last_use[o] < step:
+            alive = [v for v in sched.views.get(o, ()) if sched.view_last[v] >= step]
+            if len(alive) == 1:
+                out.append((o, alive[0]))
+    return out
 
 
 def _prefetched(sched: Schedule, chosen: dict[fx.Node, Strategy], mesh_shape) -> list[tuple[int, int, int]]:
@@ -524,7 +574,7 @@ def walk(
     stored = _stored_bytes(sched.n_steps, [*owned.values(), *extra, *early])
     running, moving = _transients(sched, chosen, mesh_shape, move, owned, moved)
     # and while the forward's last op runs, the model outputs' moves
-    running[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move)
+    running[sched.forward_end] += output_move_bytes(tg, chosen, fixed_outputs or {}, move, sched)
     live = stored + np.maximum(running, moving) + optimizer_bytes
     t = int(np.argmax(live))
     peak = sched.order[t]
@@ -652,8 +702,13 @@ def linear_peak_bytes(
     """The part of the bytes alive at ``step`` the ILP row for ``step`` counts (moves priced by
     ``move``; ``grads``: ``scheduled_gradients``): while its op runs, or with ``moving`` while the op's
     inputs move, before it makes anything (see ``walk``)."""
-    alive = [node_of(k) for k in stored_at(sched, step, moving)]
+    keys = stored_at(sched, step, moving)
+    alive = [node_of(k) for k in keys]
     stored = sum(row_bytes(n, chosen[n].outputs, params, mesh_shape, optimizer) for n in alive if n in chosen)
+    for k, v in held_by_views(sched, keys, step):  # read gathered: dead at the gather
+        n, view = node_of(k), node_of(v)
+        if n in chosen and view in chosen and _moved_inputs(view, chosen, move):
+            stored -= value_bytes(n, chosen[n].outputs, mesh_shape)
     ops, views = moves_at(sched, step)
     copy = moved_copy_bytes(mesh_shape)
     moved = sum(_moved_inputs(op, chosen, move if moving else copy) for op in ops if op in chosen)

@@ -31,7 +31,8 @@ class Move:
     output) or like ``fixed`` (``dst`` None: a constrained model output). ``consumer`` names the
     reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``); ``kind``: which of the three it is;
     ``segment``: the overlap segment whose compute the move can hide under
-    (``overlap.Hiding.segment_of``), None if it cannot."""
+    (``overlap.Hiding.segment_of``), None if it cannot; ``again``: the backward's second run of a
+    move into a parameter's gathered view (``overlap.read_again``)."""
 
     src: fx.Node
     k: int
@@ -43,6 +44,7 @@ class Move:
     phase: str
     segment: str | None
     fixed: Placements | None = None
+    again: bool = False
 
     @functools.cached_property
     def meta(self) -> TensorMeta:
@@ -77,12 +79,17 @@ def input_moves(tg: TracedGraph, hiding: overlap.Hiding) -> list[Move]:
 
 def op_inputs(n: fx.Node, hiding: overlap.Hiding | None = None) -> list[Move]:
     """The moves of one op's tensor inputs, the op in the traced graph or a recomputed copy of it in
-    a schedule's; ``segment`` None without ``hiding`` (the memory model prices bytes, not time)."""
+    a schedule's; with ``hiding``, each move's segment, and the backward's second run of a move
+    into a gathered view it reads (without, the memory model, which prices bytes at each step of
+    its own schedule, where the backward's copy of the view is an op of its own)."""
     ph = overlap.phase(n)
     out = []
     for j, a in enumerate(tensor_inputs(n)):
         u, k = value_of(a)
         out.append(Move(u, k, a, n, j, n.name, "input", ph, hiding.segment_of(u, n, False) if hiding else None))
+        if hiding and n in hiding.again:
+            seg = hiding.segment_of(u, n, False, again=True)
+            out.append(Move(u, k, a, n, j, n.name, "input", "backward", seg, again=True))
     return out
 
 

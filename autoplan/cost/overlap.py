@@ -11,6 +11,10 @@ program issues ahead of their reader, or waits for after other work, run beside 
   goes on. An all-reduce's wait is where the result is read (``lower.passes.wait_sinking``). A
   reduce-scatter's wait still follows it at once, and is priced hidden all the same until it is
   sunk too: priced exposed, it steers plans to layouts whose memory the walk over-counts.
+- A parameter's gathered view is not kept for the backward: the lowering gathers it again there
+  (``regathered``; FSDP's reshard after forward). The move into it, where it runs a collective,
+  runs twice, the second time in the backward segment of its layer, where it hides only under the
+  same rule.
 - Everything else (an activation's all-reduce in tensor parallelism, a sequence-parallel gather)
   blocks the op reading it.
 
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
+from autoplan.shard.strategies import aliases_input
 from autoplan.trace.clustering import layer_instances
 from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 
@@ -58,6 +63,30 @@ def parameter_only(tg: TracedGraph) -> frozenset[fx.Node]:
     return frozenset(found)
 
 
+def regathered(nodes: list[fx.Node], params: set[fx.Node]) -> frozenset[fx.Node]:
+    """Forward views of parameters (through views only). Where a plan reads a parameter in another
+    placement, such a view owns the gathered copy, and the lowering gathers it again for the
+    backward instead of keeping it (FSDP's reshard after forward, ``passes.fsdp_recompute``)."""
+    found: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "call_function" and n.meta.get(PHASE_KEY) == "forward" and aliases_input(n):
+            ins = n.all_input_nodes
+            if len(ins) == 1 and (ins[0] in params or ins[0] in found):
+                found.add(n)
+    return frozenset(found)
+
+
+def read_again(tg: TracedGraph) -> frozenset[fx.Node]:
+    """The ``regathered`` views the backward reads, itself or through another: the backward runs
+    the move into each of them again."""
+    views = regathered(list(tg.gm.graph.nodes), set(tg.placeholder_for("param").values()))
+    found: set[fx.Node] = set()
+    for n in reversed(tg.gm.graph.nodes):
+        if n in views and any(phase(u) == "backward" or u in found for u in n.users):
+            found.add(n)
+    return frozenset(found)
+
+
 def segment(instance: str, phase_name: str) -> str:
     return f"{instance or '(outside layers)'} {phase_name}"
 
@@ -70,20 +99,22 @@ class Hiding:
     instance: dict[fx.Node, str]  # node -> layer instance, "" outside repeated layers
     params: frozenset[fx.Node]
     early: frozenset[fx.Node]  # parameter-only values where the program prefetches them, else none
+    again: frozenset[fx.Node]  # views whose incoming move the backward runs again (``read_again``)
 
     @classmethod
     def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None, prefetch: bool = False) -> Hiding:
         if instance is None:
             instance = {n: i for n, (i, _) in layer_instances(tg).items()}
         early = parameter_only(tg) if prefetch else frozenset()
-        return cls(instance, frozenset(tg.placeholder_for("param").values()), early)
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), early, read_again(tg))
 
-    def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool) -> str | None:
+    def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool, again: bool = False) -> str | None:
         """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.
 
         ``reader`` reads the moved value in its input (an op) or, with ``into_output``, in its
         output placement (a parameter taking its gradient, a tangent taking a model output). A
-        prefetched parameter-only value read by an op counts in the op's segment; a gradient moved
+        prefetched parameter-only value read by an op counts in the op's segment (``again``: the
+        backward's run of the move, in the backward segment of the op's layer); a gradient moved
         into its parameter's placement counts in its producer's (the move runs while the backward
         goes on).
         """
@@ -95,7 +126,7 @@ class Hiding:
             return None
         else:
             at = reader
-        return segment(self.instance.get(at, ""), phase(at))
+        return segment(self.instance.get(at, ""), "backward" if again else phase(at))
 
 
 def least(seconds: np.ndarray) -> float:

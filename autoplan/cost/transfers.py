@@ -154,6 +154,13 @@ def mixed_partials(placements: Placements) -> bool:
 _COPIES = frozenset({"local", "relayout"})  # kinds that are one memory-bound copy kernel, no communication
 
 
+def communicates(transfers: Sequence[Transfer]) -> bool:
+    """Whether a move runs a collective, not only local copies: for a parameter's gathered view the
+    backward reads, the lowering runs such a move again there instead of keeping its result
+    (``passes.fsdp_recompute`` tags a parameter's first collective and everything after it)."""
+    return any(t.kind not in _COPIES for t in transfers)
+
+
 def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: DeviceProfile) -> float:
     if transfer.kind in _COPIES:  # reads and writes its bytes
         return 2 * transfer.nbytes / (profile.hbm_bandwidth * profile.bandwidth_efficiency) + profile.kernel_launch

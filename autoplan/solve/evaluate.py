@@ -107,12 +107,14 @@ def evaluate(
 
     for e in all_moves:
         src, dst = e.ends(chosen.__getitem__)
-        if src == dst:
-            continue
+        if src == dst or (e.again and not cost_model.reruns([src], [dst], e.meta)[0, 0]):
+            continue  # no move, or one the backward keeps from the forward
         seconds = cost_model.redistribute_cost(src, dst, e.meta)
         collectives = cost_model.redistribute_collectives(src, dst, e.meta)
         nbytes = local_bytes(e.meta, src, cost_model.mesh.shape)
-        redistributions.append(Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase, nbytes))
+        redistributions.append(
+            Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase, nbytes, e.again)
+        )
         totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
         if e.segment is not None:
             seg_comm[e.segment] += cost_model.hideable_cost(src, dst, e.meta)
@@ -187,7 +189,8 @@ def _local_view(
             touching[e.dst].append((e, seg, metas[e.value]))
         src, dst = e.ends(chosen.__getitem__)
         if seg is not None and src != dst:
-            hideable[seg] += cost_model.hideable_cost(src, dst, metas[e.value])
+            runs = cost_model.reruns([src], [dst], metas[e.value])[0, 0] if e.again else 1.0
+            hideable[seg] += cost_model.hideable_cost(src, dst, metas[e.value]) * runs
     return _LocalView(chosen, cost_model, touching, hideable, budget)
 
 
@@ -239,9 +242,13 @@ def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...], 
         if e.src is n:
             ends, other = [s.outputs[e.k] for s in candidates], dst
             row = price(ends, [dst], meta)[:, 0]
+            if e.again:
+                row = row * cost_model.reruns(ends, [dst], meta)[:, 0]
         else:
             ends, other = [s.output if e.slot is None else s.inputs[e.slot] for s in candidates], src
             row = price([src], ends, meta)[0]
+            if e.again:
+                row = row * cost_model.reruns([src], ends, meta)[0]
         # no move where the ends agree (as ``evaluate`` prices it), even one DTensor would refuse
         rows.append(np.where(cost_model.numbers(ends) == cost_model.numbers([other])[0], 0.0, row))
     return np.array(rows).reshape(len(rows), len(candidates))

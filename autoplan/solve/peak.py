@@ -71,13 +71,15 @@ class PeakRows:
         self.into: dict[fx.Node, list[Move]] = defaultdict(list)  # each op's input moves
         self.gradient_moves: list[Move] = []
         for m in self.shared.moves({}):  # the model outputs' moves are read per request
-            if m.kind == "input":
+            if m.kind == "input" and not m.again:  # the walk has the backward's regathers of its own
                 self.into[m.dst].append(m)
             elif m.kind == "gradient":
                 self.gradient_moves.append(m)
         self.grads = memory.scheduled_gradients(self.gradient_moves, self.schedule)
         # what a move holds while it runs depends on the mesh alone, not on the device profile
         self.move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
+        self.copied = memory.moved_copy_bytes(self.mesh_shape)
+        self._priced: tuple[PlacementProblem | None, dict] = (None, {})  # ``priced_moves``'s edges, per problem
         self.layers = recompute.layers(self.tg.gm.graph)
         self.tagged = {
             (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
@@ -166,7 +168,7 @@ class PeakRows:
         for at in dict.fromkeys(top):
             running = memory.linear_peak_bytes(sched, at, *args)
             if sched.order[at] is forward_end:  # where the lowering moves the outputs
-                running += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes)
+                running += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes, sched)
             moving = -np.inf
             if memory.node_of(sched.order[at]).op == "call_function":
                 moving = memory.linear_peak_bytes(sched, at, *args, moving=True)
@@ -226,12 +228,11 @@ class PeakRows:
             return []
         index = {o.name: i for i, o in enumerate(options)}
         rows = []
-        copied = memory.moved_copy_bytes(self.mesh_shape)
         for (step, copy, moving), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]), kv[0][2])):
             stored = memory.stored_at(self.schedule, step, moving)
             alive = [memory.node_of(k) for k in stored]
             made = {memory.node_of(k) for k in memory.live_storages(self.schedule, step)} - set(alive)
-            terms = []
+            terms, recomputable = [], set()
             for option in recompute.OPTIONS:
                 if not any(option_name(layer, option) in index for layer in self.layers):
                     continue
@@ -240,16 +241,24 @@ class PeakRows:
                 if rerun is not None:
                     changes.setdefault(rerun, ([], []))
                 for layer, (f, k) in changes.items():
+                    recomputable.update(f)
                     if (i := index.get(option_name(layer, option))) is not None:
                         keeps = self.storage_bytes(problem, k)
                         if layer == rerun:
                             keeps.add(self._input_prices(problem, [copy.node], self.move_bytes))
                         terms.append((i, self.storage_bytes(problem, [n for n in f if n not in made]), keeps))
             coeffs = tuple(self.storage_bytes(problem, alive).units.items())
+            # what a recompute option frees is taken off on its own term, not twice
+            held = [
+                (o, v)
+                for o, v in memory.held_by_views(self.schedule, stored, step)
+                if memory.node_of(o) not in recomputable
+            ]
             ops, views = memory.moves_at(self.schedule, step)
             before = moving or copy is not None
-            moves = self._input_prices(problem, ops, self.move_bytes if before else copied)
-            moves.add(self._input_prices(problem, views, copied))
+            moves = self._input_prices(problem, ops, self.move_bytes if before else self.copied)
+            moves.add(self._input_prices(problem, views, self.copied))
+            moves.add(self._input_prices(problem, [memory.node_of(v) for _, v in held], self._dead_source))
             grads = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, before)
             moves.add(priced_moves(problem, [(g.move, price) for g, price in grads]))
             if step == self.schedule.forward_end and not before:  # where the lowering moves the outputs
@@ -264,9 +273,16 @@ class PeakRows:
             rows.append(row)
         return rows
 
+    def _dead_source(self, made: Placements, read: Placements, meta) -> float:
+        """Minus the bytes of a value a view reads moved, where that view alone kept it alive
+        (``memory.held_by_views``): the storage dies at the move."""
+        return -float(local_bytes(meta, made, self.mesh_shape)) if made != read else 0.0
+
     def _input_prices(self, problem: PlacementProblem, nodes, price) -> Linear:
         """``price`` of the moves of ``nodes``' tensor inputs, as a function of the choice."""
-        return priced_moves(problem, [(m, price) for n in nodes for m in self.into.get(n, ())])
+        if self._priced[0] is not problem:
+            self._priced = (problem, {})
+        return priced_moves(problem, [(m, price) for n in nodes for m in self.into.get(n, ())], self._priced[1])
 
     def least_params(self, problem: PlacementProblem, row: BudgetRow, fixed: list[FixedRows]) -> tuple[int, dict]:
         """The fewest parameter bytes per device a plan stores under the pins ``fixed``, from the

@@ -185,11 +185,14 @@ def _add_edge(out: Linear, problem: PlacementProblem, edge: _Edge) -> None:
         out.add_edge(problem.group_index[edge.key], edge.cost)
 
 
-def priced_moves(problem: PlacementProblem, priced: Iterable[tuple[Move, Price]]) -> Linear:
+def priced_moves(problem: PlacementProblem, priced: Iterable[tuple[Move, Price]], edges: dict | None = None) -> Linear:
     """Each move's ``price`` over the placement its value is made in and the one it is read in (a
     constrained output's: its constraint), as a function of the choice (e.g. the bytes of the
-    copy a move makes). Moves whose ends have no decision are left out."""
+    copy a move makes). Moves whose ends have no decision are left out. ``edges``: the pairs
+    priced so far for ``problem``, by price and edge (a peak row prices the moves of every view
+    alive at its step, mostly the same ones as the row before it)."""
     rep, root, out = problem.clustering.rep, problem.root, Linear()
+    edges = {} if edges is None else edges
     for m, price in priced:
         ur = rep.get(m.src)
         if ur not in root or not isinstance(output_vals(m.src)[m.k], torch.Tensor):
@@ -199,8 +202,10 @@ def priced_moves(problem: PlacementProblem, priced: Iterable[tuple[Move, Price]]
             unit, i = root[ur]
             out.add_unit(unit, np.array([price(problem.strategies[ur][j].outputs[m.k], m.fixed, meta) for j in i]))
         elif rep.get(m.dst) in root:
-            slot = "out" if m.slot is None else m.slot
-            _add_edge(out, problem, _edge(problem.strategies, root, pairwise(price), ur, m.k, rep[m.dst], slot))
+            key = (price, ur, m.k, rep[m.dst], "out" if m.slot is None else m.slot)
+            if key not in edges:
+                edges[key] = _edge(problem.strategies, root, pairwise(price), *key[1:])
+            _add_edge(out, problem, edges[key])
     return out
 
 
@@ -235,7 +240,7 @@ class Shared:
 
 def op_inputs(all_moves: list[Move]) -> list[tuple[fx.Node, int, fx.Node, int]]:
     """The ops' tensor inputs among ``all_moves`` as (op, slot, producer, output index), in graph order."""
-    return [(m.dst, m.slot, m.src, m.k) for m in all_moves if m.slot is not None]
+    return [(m.dst, m.slot, m.src, m.k) for m in all_moves if m.slot is not None and not m.again]
 
 
 def _producer_reps(inputs: list[tuple], clustering: Clustering) -> dict[fx.Node, set]:
@@ -365,11 +370,13 @@ def _mapped(labels: tuple[list, np.ndarray], m: np.ndarray) -> tuple[list, np.nd
 def move_counts(
     all_moves: list[Move], clustering: Clustering
 ) -> tuple[dict[tuple, int], list[tuple[fx.Node, int, Placements]]]:
-    """``all_moves`` by representatives: (producer rep, output index, consumer rep, slot) -> how many
-    moves it stands for, and the moves to fixed placements as (producer rep, output index, placements).
+    """``all_moves`` by representatives: (producer rep, output index, consumer rep, slot, again) ->
+    how many moves it stands for, and the moves to fixed placements as (producer rep, output index,
+    placements).
 
     Slots are tensor-input positions; ``"out"`` marks a value that must arrive in the consumer's
     *output* placement: a gradient in its parameter's placement, an output in its tangent's.
+    ``again``: the backward's second run of a move into a gathered view (``Move.again``).
     """
     rep = clustering.rep
     edges: dict[tuple, int] = defaultdict(int)
@@ -378,7 +385,7 @@ def move_counts(
         if m.dst is None:
             sinks.append((rep[m.src], m.k, m.fixed))
         else:
-            edges[(rep[m.src], m.k, rep[m.dst], "out" if m.slot is None else m.slot)] += 1
+            edges[(rep[m.src], m.k, rep[m.dst], "out" if m.slot is None else m.slot, m.again)] += 1
     return edges, sinks
 
 
@@ -419,13 +426,15 @@ def build_problem(
     def own_labels(node, side, values):  # a node's strategy tuple outlives a build (re-solves)
         return shared.labels(strats[node], side, values)
 
-    for (ur, k, cr, slot), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
+    for (ur, k, cr, slot, again), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
         edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)
-        cost = edge.cost * mult
-        name = shared.hiding.segment_of(ur, cr, slot == "out")
+        meta = tensor_meta(output_vals(ur)[k])
+        runs = cost_model.reruns(edge.srcs, edge.dsts, meta) * mult if again else mult  # a regather, or none
+        cost = edge.cost * runs
+        name = shared.hiding.segment_of(ur, cr, slot == "out", again)
         if name is not None:  # only its collectives hide: its copies run in line with compute
-            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, tensor_meta(output_vals(ur)[k]))
-            hideable.append((name, dataclasses.replace(edge, cost=seconds * mult)))
+            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, meta)
+            hideable.append((name, dataclasses.replace(edge, cost=seconds * runs)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)
         elif edge.key in groups:

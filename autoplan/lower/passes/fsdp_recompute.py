@@ -2,10 +2,10 @@
 
 Without tags, partitioning saves every forward value the backward reads, including all-gathered
 (unsharded) weights: that breaks FSDP's memory contract (reshard after forward). This pass tags a
-parameter's all-gather, its wait and the whole cheap chain downstream of it (views, dtype casts,
-chunk/cat reassembly, a nested shard's chunk picked by index, further all-gathers of the same
-value) as must-recompute; the partition then copies the chain into the backward graph and saves
-only the shard.
+parameter's first collective (an all-gather, or an all-to-all re-sharding it), its wait and the
+whole cheap chain downstream of it (views, dtype casts, chunk/cat reassembly, a nested shard's
+chunk picked by index, further collectives of the same value) as must-recompute; the partition
+then copies the chain into the backward graph and saves only the shard.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autoplan.lower.collectives import c10d, is_c10d
+from autoplan.lower.collectives import collective_kind, communicates
 
 RECOMPUTE_KEY = "autoplan_recompute"
 
@@ -48,7 +48,7 @@ _CHEAP = {
 
 @dataclass(frozen=True)
 class RecomputeStats:
-    chains: int  # parameter all-gathers whose results are re-gathered in backward
+    chains: int  # parameter collectives whose results are re-gathered in backward
     nodes: int  # nodes tagged must-recompute
 
 
@@ -66,11 +66,12 @@ def from_parameter(n: fx.Node, params: set[fx.Node]) -> bool:
 
 
 def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeStats:
-    """Tag every forward all-gather of a parameter and its cheap downstream chain."""
+    """Tag every forward collective of a parameter and its cheap downstream chain. The cost model
+    prices each such chain's collectives twice (``CostModel.reruns``), so the two must agree."""
     tagged: set[fx.Node] = set()
     chains = 0
     for n in graph.nodes:
-        if not (_is_forward(n) and n.target is c10d.all_gather_into_tensor.default):
+        if not (_is_forward(n) and collective_kind(n) in ("all_gather", "all_to_all")):
             continue
         if n in tagged or not from_parameter(n.args[0], params):
             continue
@@ -82,7 +83,7 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
                 continue
             tagged.add(node)
             for user in node.users:
-                cheap = is_c10d(user) or user.target in _CHEAP
+                cheap = communicates(user) or user.target in _CHEAP
                 # multi-input cheap ops (a ``cat`` of gathered chunks) join once all their inputs
                 # have; a chunk picked by index (a nested shard's own chunk of the gathered weight,
                 # a copy) once its data has: the small index is saved instead
