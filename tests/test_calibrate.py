@@ -262,6 +262,11 @@ def test_kendall_tau_counts_agreeing_pairs():
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
     assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    # one plan under two names, predicted alike: its measured order is noise, neither agreeing nor
+    # disagreeing, and the predicted order has five pairs, not six (tau-a: 5/6 and 3/6)
+    assert kendall_tau([1, 1, 3, 4], [11, 10, 30, 40]) == pytest.approx(5 / math.sqrt(5 * 6))
+    assert kendall_tau([1, 1, 3, 2], [11, 10, 30, 40]) == pytest.approx(3 / math.sqrt(5 * 6))
+    assert kendall_tau([1, 1], [2, 2]) == 1.0 and kendall_tau([1, 1], [2, 3]) == 0.0
 
 
 def _validate_rank(rank: int, out: str):
