@@ -472,7 +472,6 @@ def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndar
     try:
         point = _completions(sub_st, lp.x[keep], _sub_rounding(rounding, full, keep), None)
         if point is None:  # no plan over the priced columns within the gap: look past them
-            st.lp_bound = lp.bound
             if (whole := _completions(st, lp.x, rounding, None)) is not None:
                 return whole
             if st.best is not None and (sub_st.best is None or st.best[1] < sub_st.best[1]):

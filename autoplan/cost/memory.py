@@ -239,6 +239,7 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset(), pref
 
 
 def _views_of(view_last: dict[Key, int], inputs: dict[Key, list[Key]]) -> dict[Key, tuple[Key, ...]]:
+    """Each entry read by a view -> those views (``Schedule.views``)."""
     out: dict[Key, list[Key]] = {}
     for k in view_last:
         out.setdefault(inputs[k][0], []).append(k)
