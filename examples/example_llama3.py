@@ -9,8 +9,9 @@ Without ``--mesh`` the mesh suits the model: 16x8 for 8b and 70b, 2x2 for ``debu
 parameters cannot be split 128 ways within the 1/ranks parameter budget). An error autoplan raises on
 purpose (no plan meets the constraints, a bad mesh...) is printed as one message, exit status 1.
 
-Check a plan for real on this machine: 4 gloo processes plan LLaMA-3 ``debug`` on a 2x2 mesh with
-the same constraints, train 5 steps and print the losses beside a single-device run:
+Check a plan for real on this machine: LLaMA-3 ``debug`` is planned once for a 2x2 mesh with the
+same constraints (fp32), then 4 gloo processes load that plan, train 5 steps and print the losses
+beside a single-device run:
 
     python examples/example_llama3.py --model debug --execute
 
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from autoplan import AutoParallel
+from autoplan import AutoParallel, Plan
 from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.bench.workloads import fake_mesh, model_batch, parse_mesh
 from autoplan.cost.devices import DEVICE_PROFILES
@@ -56,17 +57,19 @@ def planning_failed(what: str, error: Exception) -> str:
     return f"example_llama3.py: planning {what} failed: {error}"
 
 
-def plan_llama(mesh, cfg, batch: int, seq: int, dtype: torch.dtype, profile) -> tuple:
-    """The constraints the README shows: batch-split inputs and outputs, parameters split over every rank."""
+def plan_llama(mesh, cfg, batch: int, seq: int, dtype: torch.dtype, profile, plan: Plan | None = None) -> tuple:
+    """The constraints the README shows: batch-split inputs and outputs, parameters split over every
+    rank. Given ``plan`` (one solved before, loaded from JSON), the model is traced but not re-planned."""
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     io = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
     input_fn = lambda: torch.randint(0, cfg.vocab_size, (batch, seq))  # noqa: E731
     with AutoParallel(model, mesh, input_fn, device_profile=profile) as ap:
-        ap.add_input_constraints([io])
-        ap.add_output_constraints([io])
-        ap.add_memory_constraint(param_fraction=1 / math.prod(mesh.shape))
-        plan = ap.optimize_placement()
+        if plan is None:
+            ap.add_input_constraints([io])
+            ap.add_output_constraints([io])
+            ap.add_memory_constraint(param_fraction=1 / math.prod(mesh.shape))
+            plan = ap.optimize_placement()
     return ap, plan, io
 
 
@@ -113,19 +116,15 @@ def single_device(cfg, batch: int, seq: int, steps: int) -> tuple[dict, list[flo
     return state, losses
 
 
-def _execute_rank(rank: int, port: int, result: str) -> None:
+def _execute_rank(rank: int, port: int, plan_file: str, result: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=math.prod(EXECUTE_MESH))
     try:
         cfg = LLAMA3_CONFIGS["debug"]
         mesh = init_device_mesh("cpu", EXECUTE_MESH, mesh_dim_names=("dp", "tp"))
-        try:
-            ap, plan, io = plan_llama(mesh, cfg, EXECUTE_BATCH, EXECUTE_SEQ, torch.float32, DEVICE_PROFILES["h100"])
-        except PLANNING_ERRORS as e:  # every rank plans the same: rank 0 reports it, once
-            if rank == 0:
-                with open(result, "w") as f:
-                    json.dump({"error": planning_failed(f"debug on mesh {EXECUTE_MESH}", e)}, f)
-            return
+        ap, plan, io = plan_llama(
+            mesh, cfg, EXECUTE_BATCH, EXECUTE_SEQ, torch.float32, DEVICE_PROFILES["h100"], Plan.from_json(plan_file)
+        )
         pmod = ap.apply_placement(plan)
         pmod.to_empty(device="cpu")
         pmod.init_weights()  # buffers (the RoPE table) too, which no state dict carries
@@ -141,19 +140,25 @@ def _execute_rank(rank: int, port: int, result: str) -> None:
 
 
 def execute() -> int:
-    """4 gloo processes train LLaMA-3 debug with its 2x2 plan; compare with one device."""
+    """Plan LLaMA-3 debug for a 2x2 mesh once; 4 gloo processes train with that plan; compare with
+    one device."""
     import torch.multiprocessing as mp
 
+    cfg, profile = LLAMA3_CONFIGS["debug"], DEVICE_PROFILES["h100"]
+    try:
+        _, plan, _ = plan_llama(fake_mesh(EXECUTE_MESH), cfg, EXECUTE_BATCH, EXECUTE_SEQ, torch.float32, profile)
+    except PLANNING_ERRORS as e:
+        raise SystemExit(planning_failed(f"debug on mesh {EXECUTE_MESH}", e)) from None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "losses.json")
-        mp.start_processes(_execute_rank, args=(port, result), nprocs=math.prod(EXECUTE_MESH), start_method="spawn")
+        plan_file, result = os.path.join(tmp, "plan.json"), os.path.join(tmp, "losses.json")
+        plan.to_json(plan_file)
+        ranks = math.prod(EXECUTE_MESH)
+        mp.start_processes(_execute_rank, args=(port, plan_file, result), nprocs=ranks, start_method="spawn")
         with open(result) as f:
             parallel = json.load(f)
-    if "error" in parallel:
-        raise SystemExit(parallel["error"])
     _, reference = single_device(LLAMA3_CONFIGS["debug"], EXECUTE_BATCH, EXECUTE_SEQ, EXECUTE_STEPS)
     print(f"\nLLaMA-3 debug, mesh {EXECUTE_MESH} on 4 gloo processes vs one device ({EXECUTE_STEPS} AdamW steps):")
     print(f"{'step':>4}  {'parallel':>12}  {'single':>12}  {'rel diff':>9}")

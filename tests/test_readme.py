@@ -7,8 +7,8 @@ one this machine can run runs for real as the README spells it, in a temporary f
 order (``plan.json`` written by one is read by the next; ``a.json`` and ``b.json`` stand for any two
 plans: the main job's and ``autoplan plan``'s):
 
-- by default: the ``autoplan`` commands and the main job, ``python examples/example_llama3.py``;
-- marked slow: ``--execute``, the benchmarks and ``torchrun`` on this one machine;
+- by default: the ``autoplan`` commands but ``calibrate``, and the main job, ``python examples/example_llama3.py``;
+- marked slow: ``autoplan calibrate``, ``--execute``, the benchmarks and ``torchrun`` on this one machine;
 - never run here: ``pip install`` (it would change this environment: the extras it names are checked
   against pyproject.toml instead), ``python -m pytest`` (the suite itself: the markers it selects are
   checked), and ``torchrun`` over several nodes (it needs a cluster: torchrun's parser and the
@@ -82,6 +82,8 @@ def kind(command: str) -> str:
         return "parse"
     if words[0] == "torchrun":
         return "parse" if _multi_node(words) else "slow"
+    if words[:2] == ["autoplan", "calibrate"]:
+        return "slow"  # it measures this machine for ~20 s; test_calibrate runs its fast mode by default
     if words[0] == "autoplan" or words == ["python", "examples/example_llama3.py"]:
         return "run"
     return "slow"
