@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoplan.adapters.pytree import tree_flatten
 from autoplan.cost import memory
@@ -271,15 +271,16 @@ class AutoParallel:
     # ---- constraints ----------------------------------------------------------------------
 
     def _check_placements(self, what: str, val, placements, whole: bool = False, uneven: bool = False) -> Placements:
-        """``placements`` as a tuple, or ``ConstraintError`` saying why they cannot place ``val``
-        (``uneven``: a parameter, which may be split unevenly)."""
+        """``placements`` as a tuple, a negative ``Shard`` dim counted from ``val``'s last as DTensor
+        counts it, or ``ConstraintError`` saying why they cannot place ``val`` (``uneven``: a
+        parameter, which may be split unevenly)."""
         placements = tuple(placements)
         if not isinstance(val, torch.Tensor):
             raise ConstraintError(f"{what}: it is not a tensor ({type(val).__name__}), so it has no placement")
         why = placement_error(placements, val, tuple(self.mesh.shape), whole, uneven)
         if why is not None:
             raise ConstraintError(f"{what}: {why} (mesh {tuple(self.mesh.shape)})")
-        return placements
+        return tuple(Shard(p.dim + val.ndim) if type(p) is Shard and p.dim < 0 else p for p in placements)
 
     def add_input_constraints(
         self, constraints: Sequence[Sequence | None] | Mapping[int | str, Sequence | None]
@@ -338,10 +339,24 @@ class AutoParallel:
         if not nodes:
             raise ConstraintError(f"node constraint {name!r} matches no node, parameter or module")
         params = set(self.traced.placeholder_for("param").values())
-        for n in nodes:
-            what = f"node constraint {name!r} ({n.name})"
-            self._check_placements(what, output_vals(n)[0], placements, whole=n in params, uneven=n in params)
-        placements = tuple(placements)
+        checked = {
+            n: self._check_placements(
+                f"node constraint {name!r} ({n.name})",
+                output_vals(n)[0],
+                placements,
+                whole=n in params,
+                uneven=n in params,
+            )
+            for n in nodes
+        }
+        if len(set(checked.values())) > 1:  # a negative Shard dim on values of different ranks
+            (a, pa), (b, pb) = list(dict(zip(checked.values(), checked)).items())[:2]
+            raise ConstraintError(
+                f"node constraint {name!r} = {placements_str(tuple(placements))} is {placements_str(a)} on {pa.name}"
+                f" but {placements_str(b)} on {pb.name} (values of different ranks): name the dim, not its"
+                " place from the end"
+            )
+        placements = next(iter(checked.values()))
         for pin in self._pins:
             clash = [n.name for n in self._pin_nodes[pin.target] if n in nodes and pin.placements != placements]
             if clash:

@@ -220,6 +220,21 @@ def test_contradicting_pins_are_refused_when_given(mesh):
         assert [p.target for p in ap._pins] == ["*.weight", "0.weight"]
 
 
+def test_a_negative_shard_dim_counts_from_the_last_and_must_mean_one_dim(mesh):
+    """``Shard(-1)`` is the last dim, as DTensor reads it: the pin holds the dim it names, so the
+    plan places the value there. A glob matching values of different ranks would make it name
+    different dims: refused, naming both."""
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        ap.add_node_constraint("0.weight", (R, Shard(-1)))
+        assert ap._pins[-1].placements == (R, Shard(1))
+        plan = ap.optimize_placement()
+        assert plan.param_placements["0.weight"] == (R, Shard(1))
+        with pytest.raises(
+            ConstraintError, match=r"'0\.\*' = RS\(-1\) is RS\(\d\) on \S+ but RS\(\d\) on \S+ \(values of"
+        ):
+            ap.add_node_constraint("0.*", (R, Shard(-1)))  # the (16, 8) weight and the (16,) bias
+
+
 def test_bad_meshes_are_named():
     with torch.device("meta"):
         square = nn.Linear(6, 6)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from autoplan import Plan
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples/example_llama3.py"
@@ -55,6 +57,7 @@ def test_a_plan_that_cannot_be_made_is_one_message(tmp_path, monkeypatch, capsys
     assert not list(tmp_path.iterdir())  # no plan written
 
 
+@pytest.mark.slow  # ~70 s of 4 gloo processes; the default suite runs plans on gloo in test_runtime_gloo
 def test_execute_matches_single_device(tmp_path):
     out = _run("--model", "debug", "--mesh", "2x2", "--batch", "8", "--seq-len", "32", "--execute", cwd=tmp_path)
     rows = re.findall(r"^\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+\S+$", out, re.M)

@@ -65,6 +65,27 @@ def test_hand_plans_the_model_cannot_take_are_reported_not_fatal():
     assert rows["autoplan"]["step_ms"] <= fastest * (1 + 1e-9)
 
 
+def test_a_stack_of_swiglu_blocks_gets_the_hand_plans_of_the_parts_it_has():
+    """The MLP ``bench validate`` runs has LLaMA's feed-forwards and nothing else: its ``tp`` is
+    Megatron's MLP split (w1/w3 column-wise, w2 row-wise, their outputs split on the features), the
+    pins on attention, norms and embeddings it lacks left out rather than refusing the plan."""
+    from autoplan.bench.handplans import hand_plan
+    from autoplan.bench.models.mlp import factory
+
+    model, input_fn = factory(batch=64)
+    with AutoParallel(model, fake_mesh((4,), ("dp",)), input_fn) as ap:
+        ap.add_input_constraints([(S0,)])
+        ap.add_output_constraints([(S0,)])
+        tp, ddp = hand_plan(ap, "tp", 1), hand_plan(ap, "ddp", 1)
+        assert not ap._pins
+    for i in range(4):
+        w = f"layers.{i}.feed_forward"
+        assert tp.param_placements[f"{w}.w1.weight"] == tp.param_placements[f"{w}.w3.weight"] == (S0,)
+        assert tp.param_placements[f"{w}.w2.weight"] == (Shard(1),)
+        assert ddp.param_placements[f"{w}.w2.weight"] == (R,)
+    assert tp.memory.param_bytes == pytest.approx(ddp.memory.param_bytes / 4)
+
+
 def test_uneven_dim0_falls_back_to_dim1_on_the_outer_mesh_dims():
     """LLaMA-3's 128256-row embedding cannot split 1024 ways: FSDP (which would pad) splits its dim 1
     on the outer dim instead; tensor parallelism keeps its row split on the inner one."""

@@ -39,7 +39,7 @@ IO = (Shard(0), Replicate())
         pytest.param("llama3-8b", 4, "16x8", None, 0.05, False, marks=pytest.mark.slow),
         pytest.param("llama3-8b", 2, "128", None, 0.05, False, marks=pytest.mark.slow),
         # a mixture of experts: the routed capacity buffers, expert matmuls and all-to-alls
-        ("moe-debug", None, "2x2", None, 0.05, False),
+        pytest.param("moe-debug", None, "2x2", None, 0.05, False, marks=pytest.mark.slow),  # ~25 s
         pytest.param("moe-debug", None, "2x2", None, 0.05, True, marks=pytest.mark.slow),
         pytest.param("deepseek-v3-16b", 2, "16x8", None, 0.05, False, marks=pytest.mark.slow),
     ],
@@ -153,7 +153,7 @@ def test_unreachable_peak_cap_names_the_memory_constraint_and_the_smallest_peak(
         ap.optimize_placement()
 
 
-@pytest.mark.parametrize("name", ["llama3-debug", "moe-debug"])
+@pytest.mark.parametrize("name", ["llama3-debug", pytest.param("moe-debug", marks=pytest.mark.slow)])  # moe: ~25 s
 def test_a_capped_plan_is_within_its_cap(name):
     """LLaMA-3 debug and the in-repo mixture of experts on 2x2 under a cap 20% below the free plan's
     peak: the solve with recompute options (seeded by the trials without them, or with the fewest

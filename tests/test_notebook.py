@@ -4,12 +4,14 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks/explore_placements.ipynb"
 MESHES = ("128", "16x8", "32x4", "8x16")
 
 
+@pytest.mark.slow  # ~60 s: it plans LLaMA-3 8B eight times over; the default suite plans 8B in test_readme
 def test_notebook_runs_top_to_bottom(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]

@@ -76,6 +76,7 @@ def test_llama_debug_matrix(compiled):
     assert compiled or (results[0][4]["round_trips"] > 0 and results[0][5]["round_trips"] == 0)
 
 
+@pytest.mark.slow  # ~30 s of Inductor on 4 processes; compiled numerics stay in test_local_tensor
 def test_small_model_compiled():
     """The Inductor-compiled module, tensor parallel, on real gloo collectives."""
     _check(run_gloo(_worker, 4, "mlp", [(MLP_TP, True, False)]), 1)
@@ -125,6 +126,7 @@ def _checkpoint_worker(rank: int, path: str) -> bool:
     ) and any(isinstance(pl, Shard) for p in saved.parameters() for pl in p.placements)
 
 
+@pytest.mark.slow  # ~25 s on 4 gloo processes
 def test_distributed_checkpoint_round_trip(tmp_path):
     assert all(run_gloo(_checkpoint_worker, 4, str(tmp_path / "ckpt")))
 

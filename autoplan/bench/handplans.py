@@ -19,6 +19,9 @@ A mixture of experts (``autoplan.bench.models.moe``: expert weights ``feed_forwa
 - ``ep+tp``: the experts split over the first mesh dim and inside each expert over the last one
   (w1/w3 column-wise, w2 row-wise); every other parameter FSDP over all but the last dim.
 
+A model with only some of those parts gets the pins of the parts it has: on a stack of SwiGLU
+blocks (``autoplan.bench.models.mlp``), ``tp`` is Megatron's MLP split, w1/w3 column-wise, w2 row-wise.
+
 Pins fix what the hand plan fixes: the parameters' placements and, for tensor parallelism, the
 layouts of its column-wise outputs. Every other value is left to the ILP, which can only help
 the hand plan.
@@ -45,8 +48,6 @@ EVERY_PARAMETER = "*.weight"  # node names hold no dot: this glob matches parame
 EXPERTS = "layers.*.feed_forward.w[123]"  # a mixture of experts' weights, [experts, in, out]
 # the first MoE layer's expert matmuls (w1, w3, w2): pinning one layer's node pins its copies
 EXPERT_MATMULS = ("bmm", "bmm_1", "bmm_2")
-# parts of a mixture of experts some lack (Qwen3-MoE: no dense layer, no shared expert)
-OPTIONAL_PARTS = ("dense_layers.", "layers.*.feed_forward.shared.")
 
 
 def hand_plans(ndim: int, moe: bool = False) -> tuple[str, ...]:
@@ -92,8 +93,8 @@ def _expert_parallel(ndim: int, tp: bool) -> list[tuple[str, tuple[Placement, ..
 
 
 def _fsdp_tp(ndim: int, moe: bool) -> list[tuple[str, tuple[Placement, ...]]]:
-    """FSDP on every dim but the last, TP on the last; a (batch, seq, ...) activation is batch-split
-    on the FSDP dims and split on ``d`` over TP. A mixture of experts' dense layers and shared
+    """FSDP on every dim but the last, TP on the last; an activation (batch, [seq,] features) is
+    batch-split on the FSDP dims and split on ``d`` over TP. A mixture of experts' dense layers and shared
     experts are split the same way, and each routed expert column- (w1, w3) or row-wise (w2), its
     expert dim FSDP."""
     dp = (Shard(0),) * (ndim - 1)
@@ -111,22 +112,23 @@ def _fsdp_tp(ndim: int, moe: bool) -> list[tuple[str, tuple[Placement, ...]]]:
         pins += [(f"{block}.{norm}.weight", dp + (R,)) for norm in ("attention_norm", "ffn_norm")]  # FSDP only
         pins += [(f"{block}.{m}.weight", dp + (Shard(0),)) for m in columnwise]  # (out, in): split outputs
         pins += [(f"{block}.{m}.weight", dp + (Shard(1),)) for m in rowwise]  # split inputs
-        pins += [(f"{block}.{m}", act(2)) for m in columnwise]  # column-wise outputs: split features
+        pins += [(f"{block}.{m}", act(-1)) for m in columnwise]  # column-wise outputs: split features
     if moe:
         pins += [(f"layers.*.feed_forward.{w}", dp + (Shard(2),)) for w in ("w1", "w3")]
         pins += [("layers.*.feed_forward.w2", dp + (Shard(1),))]
     pins += [("norm.weight", dp + (R,)), ("tok_embeddings.weight", dp + (Shard(0),))]
-    pins += [("output.weight", dp + (Shard(0),)), ("output", act(2))]  # vocab-split logits
+    pins += [("output.weight", dp + (Shard(0),)), ("output", act(-1))]  # vocab-split logits
     return pins
 
 
-def _applies(target: str, params: dict, modules: set[str]) -> bool:
-    """Whether a hand plan's pin is for this model: a pin on a part some mixtures of experts lack
-    (``OPTIONAL_PARTS``) only where the model has it; any other pin always, so that one naming what
-    the model lacks says so."""
-    if not target.startswith(OPTIONAL_PARTS):
-        return True
-    return any(fnmatch.fnmatchcase(name, target) for name in (*params, *modules))
+def _present(pins: list, params: dict, modules: set[str]) -> list:
+    """The pins of ``pins`` whose target this model has: a LLaMA-style model may lack parts (a stack
+    of SwiGLU blocks has no attention, norms or embedding; Qwen3-MoE no dense layer or shared
+    expert), and the hand plan then covers the parts it has. A model with none of them keeps every
+    pin, so that adding the first says what the model lacks."""
+    names = (*params, *modules)
+    present = [(t, p) for t, p in pins if any(fnmatch.fnmatchcase(name, t) for name in names)]
+    return present or pins
 
 
 def fit_to_shapes(pins: list, params: dict[str, torch.Tensor], mesh_shape: tuple[int, ...]) -> list:
@@ -154,14 +156,14 @@ def fit_to_shapes(pins: list, params: dict[str, torch.Tensor], mesh_shape: tuple
 
 
 def hand_plan(ap, name: str, ndim: int):
-    """``ap``'s plan under the pins of hand plan ``name`` (those its model has parts for, fitted to
-    its shapes), removed again afterwards; ``AutoplanError`` when the shapes cannot take it."""
+    """``ap``'s plan under the pins of hand plan ``name`` (those its model has parts for, see
+    ``_present``, fitted to its shapes), removed again afterwards; ``AutoplanError`` when the shapes cannot take it."""
     params = {fqn: n.meta["val"] for fqn, n in ap.traced.placeholder_for("param").items()}
     moe = any(fnmatch.fnmatchcase(fqn, EXPERTS) and params[fqn].dim() == 3 for fqn in params)
     modules = {n.meta.get(PATH_KEY) or "" for n in ap.traced.gm.graph.nodes}
     added = []
     try:
-        pins = [(t, p) for t, p in hand_plan_pins(name, ndim, moe) if _applies(t, params, modules)]
+        pins = _present(hand_plan_pins(name, ndim, moe), params, modules)
         for target, placements in fit_to_shapes(pins, params, tuple(ap.mesh.shape)):
             ap.add_node_constraint(target, placements)
             added.append(target)
