@@ -59,17 +59,17 @@ def planning_failed(what: str, error: Exception) -> str:
 
 def plan_llama(mesh, cfg, batch: int, seq: int, dtype: torch.dtype, profile, plan: Plan | None = None) -> tuple:
     """The constraints the README shows: batch-split inputs and outputs, parameters split over every
-    rank. Given ``plan`` (one solved before, loaded from JSON), the model is traced but not re-planned."""
+    rank. Given ``plan`` (one solved before, loaded from JSON), the model is traced and constrained
+    alike but not re-planned."""
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     io = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
     input_fn = lambda: torch.randint(0, cfg.vocab_size, (batch, seq))  # noqa: E731
     with AutoParallel(model, mesh, input_fn, device_profile=profile) as ap:
-        if plan is None:
-            ap.add_input_constraints([io])
-            ap.add_output_constraints([io])
-            ap.add_memory_constraint(param_fraction=1 / math.prod(mesh.shape))
-            plan = ap.optimize_placement()
+        ap.add_input_constraints([io])
+        ap.add_output_constraints([io])
+        ap.add_memory_constraint(param_fraction=1 / math.prod(mesh.shape))
+        plan = plan or ap.optimize_placement()
     return ap, plan, io
 
 

@@ -108,7 +108,9 @@ def _plan(form: dict, placements: dict, memory: bool = True):
     return mesh, ap, plan, pmod
 
 
-@pytest.mark.parametrize("name", list(FORMS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "pair" else n for n in FORMS]
+)  # ~10 s each: the pair form with the slow tests
 def test_encdec_trains_like_one_device(name):
     """Input constraints by keyword (each input gets the placement asked), then AdamW steps under
     LocalTensorMode calling the parallel module as the form says: single-device loss every step and

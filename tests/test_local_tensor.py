@@ -51,7 +51,7 @@ def test_llama_debug_eager(pins):
         assert any("Shard" in v for v in r["params"].values())
 
 
-@pytest.mark.parametrize("option", ["full", "selective"])
+@pytest.mark.parametrize("option", ["full", pytest.param("selective", marks=pytest.mark.slow)])  # ~13 s each
 def test_llama_debug_recompute(option):
     """Layers recomputed in backward (all their forward ops, or the cheap ones) under FSDP pins: the
     backward runs the recomputed ops again and the numerics are single-device's."""

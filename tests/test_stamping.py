@@ -183,12 +183,12 @@ def test_clustering_ties_only_blocks_that_are_alike(differs):
 
 
 def test_stamped_llama_plan_runs_with_single_device_numerics():
-    """Eight layers, six of them stamped, FSDP on 8 simulated ranks: the losses and gradients of
-    three AdamW steps are single-device's."""
-    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    """Eight layers, six of them stamped, FSDP on 4 simulated ranks (2x2): the losses and gradients
+    of three AdamW steps are single-device's."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
     ref = reference_run("llama8", batch_rows=8)
     plan, lowered, pmod = plan_and_apply(mesh, "llama8", FSDP, batch_rows=8)
-    with LocalTensorMode(8):
+    with LocalTensorMode(4):
         r = parallel_run(mesh, pmod, ref, compiled=False, plain=lambda t: t)
     check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
 
