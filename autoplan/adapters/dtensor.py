@@ -230,29 +230,6 @@ def _no_redistribute_costs():
         _dtensor_op_utils.redistribute_cost = saved
 
 
-@contextlib.contextmanager
-def cached_propagation():
-    """While tracing, DTensor propagates every op's sharding afresh: a traced shape may be
-    symbolic, and a symbolic schema cannot key a cache. Lowering traces static shapes, where one
-    propagation per distinct op schema is enough (a model's layers repeat the same schemas), so
-    route hashable schemas through DTensor's own cache, the one eager DTensor uses."""
-    prop = sharding_propagator()
-    uncached, cached = prop.propagate_op_sharding_non_cached, prop.propagate_op_sharding
-
-    def propagate(schema):
-        try:
-            hash(schema)
-        except TypeError:
-            return uncached(schema)
-        return cached(schema)
-
-    prop.propagate_op_sharding_non_cached = propagate
-    try:
-        yield
-    finally:
-        del prop.propagate_op_sharding_non_cached
-
-
 def full_rule_strategies(op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict) -> list[tuple]:
     """Run DTensor's N-D strategy function; return ``(output placements, input placements)`` pairs.
 

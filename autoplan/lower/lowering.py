@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoplan.adapters.dtensor import cached_propagation, redistribute
+from autoplan.adapters.dtensor import redistribute
 from autoplan.adapters.fake import FakeTensor
 from autoplan.adapters.modules import buffer_slots
 from autoplan.adapters.pytree import tree_flatten, tree_unflatten
@@ -473,8 +473,7 @@ def lower(
     in_pl = [plan.nodes[p.name].outputs[0] for p in placeholders]
     local = [_local_fake(p.meta["val"], pl, mesh, tg.fake_mode) for p, pl in zip(placeholders, in_pl)]
     stitcher = _Stitcher(tg, plan, mesh)
-    with cached_propagation():
-        graph = stitcher.run(targets, local)
+    graph = stitcher.run(targets, local)
     _drop_identity_views(graph)
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(graph, n_outputs)
