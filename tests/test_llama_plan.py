@@ -177,7 +177,8 @@ def test_a_re_solve_certifies_its_start_without_its_lp(monkeypatch):
     assert len(checks) < certify_module.MAX_SWEEPS // certify_module._CHECK / 2
 
 
-@pytest.mark.parametrize("way", ["priced", pytest.param("screened", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~15 s each; every default plan of LLaMA runs the priced solve
+@pytest.mark.parametrize("way", ["priced", "screened"])
 def test_a_main_solve_without_a_start_shrinks_its_lp_and_finds_the_same_optimum(monkeypatch, way):
     """Above ``CERTIFY_MIN_ROWS`` rows the main solve's LP never runs whole: column generation
     (``solvers.pricing``) solves it over the pair columns it prices in, or, where pricing is off,

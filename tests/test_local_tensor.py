@@ -42,8 +42,8 @@ def _run(name: str, pins: list, compiled: bool, return_dtensor: bool = False, **
 
 
 @pytest.mark.parametrize(
-    "pins", [pytest.param([], marks=pytest.mark.slow), FSDP, LLAMA_TP], ids=["free", "fsdp", "tp"]
-)  # free: by default examples/example_llama3.py --execute trains an unpinned plan on gloo
+    "pins", [[], pytest.param(FSDP, marks=pytest.mark.slow), LLAMA_TP], ids=["free", "fsdp", "tp"]
+)  # fsdp: by default test_stamping runs FSDP's numerics on an 8-layer LLaMA
 def test_llama_debug_eager(pins):
     r = _run("llama", pins, compiled=False)
     check_run(r)
@@ -60,6 +60,7 @@ def test_llama_debug_recompute(option):
     assert set(r["recompute"].values()) == {option} and r["recomputed_ops"] > 0
 
 
+@pytest.mark.slow  # ~15 s
 def test_a_mesh_dim_of_one_rank_runs_no_collective():
     """On a (2, 1) mesh the TP pins split weights over a mesh dim of one rank: the plan prices no
     move over it, so the program runs none (a gloo group of one would still copy and sync), and
@@ -101,7 +102,7 @@ def test_llama_debug_inductor_regional():
     "name, compiled",
     [
         ("mlp", False),
-        ("mlp", True),
+        pytest.param("mlp", True, marks=pytest.mark.slow),  # ~20 s; test_sharded_dtensor_output_... compiles
         ("tied", False),
         pytest.param("tied", True, marks=pytest.mark.slow),
         ("weightnorm", False),
