@@ -349,14 +349,17 @@ class AutoParallel:
             )
             for n in nodes
         }
-        if len(set(checked.values())) > 1:  # a negative Shard dim on values of different ranks
-            (a, pa), (b, pb) = list(dict(zip(checked.values(), checked)).items())[:2]
+        first_with: dict[Placements, fx.Node] = {}
+        for n, pl in checked.items():
+            first_with.setdefault(pl, n)
+        if len(first_with) > 1:  # a negative Shard dim on values of different ranks
+            (a, pa), (b, pb) = list(first_with.items())[:2]
             raise ConstraintError(
                 f"node constraint {name!r} = {placements_str(tuple(placements))} is {placements_str(a)} on {pa.name}"
                 f" but {placements_str(b)} on {pb.name} (values of different ranks): name the dim, not its"
                 " place from the end"
             )
-        placements = next(iter(checked.values()))
+        placements = next(iter(first_with))
         for pin in self._pins:
             clash = [n.name for n in self._pin_nodes[pin.target] if n in nodes and pin.placements != placements]
             if clash:

@@ -353,7 +353,7 @@ class Plan:
     def to_json(self, path: str | Path | None = None, timings: bool = True) -> str:
         """``to_dict`` as JSON text, one line per node and per redistribution: a diff of two plans
         reads node by node, and each line goes through json's C encoder (``indent`` would put all
-        of an 8B plan's 10^4 nodes through its pure-Python one, ~2 s)."""
+        of an 8B plan's 10^4 nodes through its pure-Python one)."""
         text = "{\n" + ",\n".join(f" {json.dumps(k)}: {_json_lines(v)}" for k, v in self.to_dict(timings).items())
         text += "\n}\n"
         if path is not None:
@@ -529,8 +529,8 @@ def _json_lines(value) -> str:
 
 def _strategy_to_dict(s: NodePlan | Alternative) -> dict:
     """A node's plan or one of its alternatives as JSON data, its fields in declaration order. Built
-    field by field: ``dataclasses.asdict`` deep-copies every placement, and on a model of 10^4
-    nodes that took most of a plan's save."""
+    field by field: ``dataclasses.asdict`` would deep-copy every placement, only for the save to turn
+    it into text."""
     d = {f.name: getattr(s, f.name) for f in fields(s)}
     d["outputs"], d["inputs"] = _placements_list(s.outputs), _placements_list(s.inputs)
     if isinstance(s, NodePlan):
