@@ -44,7 +44,7 @@ def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, c
     printed = capsys.readouterr().out
     assert "matmul float32" in printed and f"wrote {out}" in printed
     doc = json.loads(out.read_text())
-    assert doc["format"] == "autoplan-device-profile" and doc["version"] == 3 and doc["measured"]["attention"]
+    assert doc["format"] == "autoplan-device-profile" and doc["version"] == 4 and doc["measured"]["attention"]
     profile = profile_from_json(out)
     assert profile.name.startswith("calibrated cpu") and profile.compute_efficiency == 1.0
     for dtype in (torch.float32, torch.bfloat16):  # one curve per dtype measured
@@ -132,13 +132,38 @@ def test_comm_overlap_scales_what_communication_hides_under():
     assert costs[0.0].total > costs[1.0].total
 
 
+def test_rank_skew_prices_every_op_of_a_step_of_several_ranks_as_the_slowest_ranks():
+    """A profile measuring that ranks finish the same work 20% apart prices each op of a 4-rank
+    mesh, under every strategy, 1.2 times as long, and leaves a one-rank mesh's (nothing to wait
+    for) and the moves as they are; a skew outside [0, 1] is refused."""
+    skewed = dataclasses.replace(CPU_GLOO, rank_skew=0.2)
+    with torch.device("meta"):
+        model = MLP(1024, 4096, 1024)
+    for shape, factor in (((4,), 1.2), ((1,), 1.0)):
+        mesh = fake_mesh(shape)
+        with AutoParallel(model, mesh, lambda: torch.randn(1024, 1024)) as ap:
+            node = next(n for n in ap.strategies if n.name == "addmm")
+            choices = ap.strategies[node].strategies
+        plain, slowest = CostModel(mesh, CPU_GLOO), CostModel(mesh, skewed)
+        assert len(choices) > 1 and all(
+            slowest.op_seconds(node, s) == pytest.approx(factor * plain.op_seconds(node, s), rel=1e-12)
+            and plain.op_seconds(node, s) > 0
+            for s in choices
+        )
+        m = tensor_meta(torch.empty(1024, 1024, device="meta"))
+        moved = plain.redistribute_cost((P,), (R,), m)
+        assert slowest.redistribute_cost((P,), (R,), m) == moved and (moved > 0) == (shape == (4,))
+    with pytest.raises(ValueError, match="rank_skew"):
+        dataclasses.replace(CPU_GLOO, rank_skew=1.5)
+
+
 def test_a_profile_file_that_is_not_one_is_refused_by_name(tmp_path):
     bad = tmp_path / "other.json"
     bad.write_text(json.dumps({"format": "something", "version": 1}))
     with pytest.raises(ConstraintError, match="not an autoplan device profile"):
         resolve_profile(str(bad))
     newer = tmp_path / "newer.json"
-    newer.write_text(profile_to_json(CPU_GLOO).replace('"version": 3', '"version": 99'))
+    newer.write_text(profile_to_json(CPU_GLOO).replace('"version": 4', '"version": 99'))
     with pytest.raises(ConstraintError, match="version 99"):
         resolve_profile(str(newer))
     bad_kind = tmp_path / "bad_kind.json"
@@ -248,6 +273,7 @@ def test_each_kind_fits_its_own_link_and_is_priced_on_it():
 def _calibrate_rank(rank: int):
     profile, measured = calibrate("cpu", opts=CalibrateOptions(fast=True, dtypes=(torch.float32,)))
     assert 0.0 <= profile.comm_overlap <= 1.0 and profile.comm_overlap == measured["comm_overlap"]
+    assert 0.0 <= profile.rank_skew <= 1.0 and profile.rank_skew == measured["rank_skew"]
     return profile.intra_node_latency, profile.intra_node_bandwidth, len(measured["collectives"])
 
 

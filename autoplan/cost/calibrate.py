@@ -20,7 +20,8 @@ at hand. ``calibrate`` times this host's device instead:
   (``network.flat_collective_seconds``) as one latency and one bandwidth for the link, and each
   kind's own latency and bandwidth, where the backend runs it otherwise than the model
   (``collective_links``: gloo's reduce-scatter reduces the whole tensor, no ring), and how much of
-  an all-reduce's time runs under a matmul loop it is issued beside (``comm_overlap``).
+  an all-reduce's time runs under a matmul loop it is issued beside (``comm_overlap``), and how
+  long a collective after a layer's compute waits for the last rank (``rank_skew``).
 Dtypes not measured keep their datasheet rate scaled like the first measured one; links not measured
 keep theirs.
 
@@ -82,6 +83,11 @@ class CalibrateOptions:
     @property
     def stream_bytes(self) -> int:
         return 2**24 if self.fast else 2**27
+
+    @property
+    def skew_gap(self) -> float:
+        """Seconds of compute before the all-reduce ``measure_skew`` times: a layer's."""
+        return 4e-3 if self.fast else 40e-3
 
     @property
     def repeats(self) -> int:
@@ -300,6 +306,50 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
     return fraction
 
 
+def measure_skew(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> float:
+    """How far apart ranks given the same compute finish it, as a fraction of it: what a blocking
+    collective after a stretch of compute waits for, beyond its own time (``DeviceProfile.rank_skew``).
+
+    Each trial times, on every rank, a fixed count of matmuls alone and then followed by a small
+    all-reduce, once for a short stretch (``collective_gap``, after which the collectives were
+    timed) and once for a long one (``skew_gap``). The slowest rank's pair, less the ranks' mean
+    matmuls alone, is what the all-reduce cost after that stretch; its growth from the short
+    stretch to the long one, over the matmuls' growth, is the trial's fraction, and the median
+    trial's is the profile's. 0 on GPUs, whose collectives do not share the host's cores."""
+    if device.type == "cuda":
+        return 0.0
+    small = torch.ones(1024, device=device)
+    short, _ = _matmul_loop(opts.collective_gap(device), 128, device, group, opts)
+    long, loops = _matmul_loop(opts.skew_gap, 128, device, group, opts)
+    n = dist.get_world_size(group)
+
+    def timed(fn: Callable[[], object]) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    fractions = []
+    for _ in range(opts.repeats):
+        t = torch.tensor(
+            [timed(short), timed(lambda: (short(), dist.all_reduce(small, group=group)))]
+            + [timed(long), timed(lambda: (long(), dist.all_reduce(small, group=group)))],
+            dtype=torch.float64,
+        )
+        mean, slowest = t.clone(), t.clone()
+        dist.all_reduce(mean, group=group)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        c_short, c_long = mean[0].item() / n, mean[2].item() / n
+        waited = (slowest[3].item() - c_long) - (slowest[1].item() - c_short)
+        fractions.append(min(max(waited / max(c_long - c_short, 1e-9), 0.0), 1.0))
+    fraction = statistics.median(fractions)
+    say(
+        f"rank skew: {loops} matmuls take the ranks {c_long * 1e3:.1f} ms on average; a small all-reduce after"
+        f" them waits a median {fraction:.1%} of that for the last rank"
+    )
+    return fraction
+
+
 def _agreed(value: int, group) -> int:
     """The least of every rank's ``value``: ranks that loop alike take part in each collective alike."""
     t = torch.tensor([value], dtype=torch.int64)
@@ -418,6 +468,7 @@ def calibrate(
         for kind, lat, bw in kinds:
             say(f"  {kind}: latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s")
         overlap = measure_overlap(group, device, opts, say)
+        skew = measure_skew(group, device, opts, say)
         profile = dataclasses.replace(
             profile,
             intra_node_latency=latency,
@@ -426,9 +477,11 @@ def calibrate(
             nvls=False,
             comm_overlap=overlap,
             collective_links=kinds,
+            rank_skew=skew,
         )
         measured["collectives"] = rows
         measured["comm_overlap"] = overlap
+        measured["rank_skew"] = skew
         measured["link_fit"] = {
             "latency_s": latency,
             "bandwidth_bytes_per_s": link,

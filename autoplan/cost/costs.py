@@ -550,12 +550,14 @@ class CostModel:
         )
 
     def _load(self, node: fx.Node, strategy: Strategy) -> float:
-        """The busiest rank's work over the balanced share: a grouped matmul split over its experts
-        waits for the rank whose experts got the most tokens (``expert_imbalance``, from the data:
-        1 prices the balanced case); any other split divides the work evenly."""
+        """The slowest rank's compute over one rank's: a step of several ranks waits for the last
+        at each blocking collective (the profile's ``rank_skew``), and a grouped matmul split over
+        its experts waits for the rank whose experts got the most tokens (``expert_imbalance``, from
+        the data: 1 prices the balanced case); any other split divides the work evenly."""
+        skew = 1.0 + self.profile.rank_skew if math.prod(self.topology.shape) > 1 else 1.0
         if self.expert_imbalance == 1.0 or not grouped_mm.expert_mesh_dims(node, strategy.inputs, strategy.outputs):
-            return 1.0
-        return self.expert_imbalance
+            return skew
+        return skew * self.expert_imbalance
 
     def ideal_op_seconds(self, node: fx.Node) -> float:
         """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""

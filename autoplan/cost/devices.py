@@ -58,6 +58,11 @@ class DeviceProfile:
     # it otherwise than the model (gloo's reduce-scatter reduces the whole tensor, its all-reduce pays
     # more per step); a kind not listed takes the link's own figures
     collective_links: tuple[tuple[str, float, float], ...] = ()
+    # how much longer than one rank's compute a step of several ranks waits for it: ranks given the
+    # same work finish it apart (cores shared with other ranks and the backend's threads), and each
+    # blocking collective waits for the last; a fraction of the compute, measured by ``autoplan
+    # calibrate`` on a backend that shares the compute's cores (gloo), 0 in the datasheet profiles
+    rank_skew: float = 0.0
 
     def __post_init__(self) -> None:
         for (kind, dtype), levels in self._curves.items():
@@ -75,6 +80,8 @@ class DeviceProfile:
                     )
         if not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"profile {self.name!r}: comm_overlap is a fraction in [0, 1], got {self.comm_overlap}")
+        if not 0 <= self.rank_skew <= 1:
+            raise ValueError(f"profile {self.name!r}: rank_skew is a fraction in [0, 1], got {self.rank_skew}")
         if any(k not in COLLECTIVE_KINDS or not (lat > 0 and bw > 0) for k, lat, bw in self.collective_links):
             raise ValueError(
                 f"profile {self.name!r}: collective_links takes (kind in {COLLECTIVE_KINDS}, latency > 0,"
@@ -313,8 +320,8 @@ DEVICE_PROFILES = {
 
 PROFILE_FORMAT = "autoplan-device-profile"
 # 2: kernel_efficiency per kind and dtype (1 had one matmul curve for every dtype); 3: collective_links
-# and kernel_efficiency rows with a thinness
-PROFILE_VERSION = 3
+# and kernel_efficiency rows with a thinness; 4: rank_skew
+PROFILE_VERSION = 4
 
 
 def profile_to_json(profile: DeviceProfile, measured: dict | None = None) -> str:
