@@ -315,6 +315,7 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
             (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         )
     assert -1 <= result["kendall_tau"] <= 1
+    assert len(result["host_speed"]) == 2 and all(0 < x < math.inf for x in result["host_speed"])
 
 
 @pytest.mark.slow  # ~55 s: twelve checks, each its own process

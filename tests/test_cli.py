@@ -246,3 +246,13 @@ def test_tracing_counts_module_calls_on_a_terminal(monkeypatch):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     trace_joint(model, lambda: torch.randn(2, 4))
     assert re.search(r"autoplan: tracing: \d+ module calls", terminal.getvalue())
+
+
+def test_a_factory_takes_the_batch_it_is_given_or_says_it_does_not():
+    """``bench validate --batch`` passes ``batch=`` to a factory; one without it is named."""
+    from autoplan.bench.workloads import load_factory
+
+    model, input_fn = load_factory("autoplan.bench.models.mlp:factory", batch=64)
+    assert input_fn().shape == (64, 512) and sum(p.numel() for p in model.parameters()) == 4 * 3 * 512 * 2048
+    with pytest.raises(ValueError, match="'test_cli:mlp_factory' does not take batch"):
+        load_factory("test_cli:mlp_factory", batch=64)

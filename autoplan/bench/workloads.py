@@ -90,8 +90,8 @@ def model_batch(cfg, batch: int | None, seq: int | None, dp: int) -> tuple[int, 
     return batch or max(32, dp), seq or min(8192, cfg.max_seq_len)
 
 
-def load_factory(spec: str) -> tuple[torch.nn.Module, Callable[[], Any]]:
-    """``"package.module:factory"``: call ``factory()``, which returns ``(model, input_fn)``.
+def load_factory(spec: str, **kwargs: Any) -> tuple[torch.nn.Module, Callable[[], Any]]:
+    """``"package.module:factory"``: call ``factory(**kwargs)``, which returns ``(model, input_fn)``.
 
     The module is looked for in the current folder first, as ``python -m`` does: the installed
     ``autoplan`` command starts with the folder of its script on the path, not the user's."""
@@ -109,7 +109,12 @@ def load_factory(spec: str) -> tuple[torch.nn.Module, Callable[[], Any]]:
         ) from e
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load model factory {spec!r}: {e}") from e
-    made = factory()
+    try:
+        made = factory(**kwargs)
+    except TypeError as e:
+        if not kwargs:
+            raise
+        raise ValueError(f"model factory {spec!r} does not take {', '.join(kwargs)}: {e}") from e
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module) and callable(made[1])):
         raise ValueError(f"model factory {spec!r} must return (model, input_fn), got {type(made).__name__}")
     return made
