@@ -271,6 +271,7 @@ def test_each_kind_fits_its_own_link_and_is_priced_on_it():
 
 
 def _calibrate_rank(rank: int):
+    torch.set_num_threads(1)  # as torchrun starts each rank: two ranks of two threads on two cores spin for minutes
     profile, measured = calibrate("cpu", opts=CalibrateOptions(fast=True, dtypes=(torch.float32,)))
     assert 0.0 <= profile.comm_overlap <= 1.0 and profile.comm_overlap == measured["comm_overlap"]
     assert 0.0 <= profile.rank_skew <= 1.0 and profile.rank_skew == measured["rank_skew"]
@@ -315,7 +316,6 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
             (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         )
     assert -1 <= result["kendall_tau"] <= 1
-    assert len(result["host_speed"]) == 2 and all(0 < x < math.inf for x in result["host_speed"])
 
 
 @pytest.mark.slow  # ~55 s: twelve checks, each its own process

@@ -9,9 +9,7 @@ the slowest rank's, and a plan's is the median of its steps. Each plan also runs
 collectives made free (``collective_free``): what is left is the rank's own compute, so the error
 splits into compute (predicted compute against the collective-free step) and communication with
 overlap (the rest). A step is timed from its forward to the end of its backward, as plans are
-priced; the optimizer step runs outside the timing. Before and after the steps each rank times a
-matmul against the profile's price for it (``host_speed``): a host whose speed has drifted since it
-was calibrated shows it there, as a compute error every plan shares.
+priced; the optimizer step runs outside the timing.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
 from autoplan.bench.steps import backward_step, kept_bytes
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
-from autoplan.cost.costs import roofline_seconds
 from autoplan.cost.memory import TORCH_ADAMW
 from autoplan.errors import AutoplanError
 from autoplan.run.group import join_group
@@ -68,30 +65,6 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
         1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0 for i, j in pairs
     )
     return score / math.sqrt(untied_a * untied_b)
-
-
-def host_speed(profile, device: str, dtype: torch.dtype, size: int = 512, repeats: int = 5) -> float:
-    """How fast this host runs a ``size``-cube matmul in ``dtype`` now, over the rate ``profile``
-    prices it at (1: as when calibrated; above 1, faster). Timed on every rank at once, as the
-    plans run, and averaged over them: a host's speed drifts (a shared machine's neighbours, its
-    clock), and a drift shows as a compute error no cost model can remove."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    flops = 2.0 * size**3
-    predicted = roofline_seconds(flops, 3 * a.numel() * a.element_size(), dtype, profile)
-    inner = max(1, int(0.02 / predicted))
-    times = []
-    for _ in range(repeats + 1):  # the first warms up
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            torch.mm(a, a)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / inner)
-    ratio = torch.tensor([predicted / statistics.median(times[1:])], dtype=torch.float64, device=device)
-    dist.all_reduce(ratio)
-    return ratio.item() / dist.get_world_size()
 
 
 def _model(args: argparse.Namespace, ndim: int, dp: int) -> tuple[Callable, Callable]:
@@ -210,14 +183,11 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
     for run in runs:  # warm-up: first calls allocate and build caches
         for free in (False, True):
             _step(run, local, device, free)
-    dtype = getattr(torch, args.dtype)
-    speed = [host_speed(ap.device_profile, device, dtype)]
     for k in range(args.steps):
         order = runs[k % len(runs) :] + runs[: k % len(runs)]  # each plan goes first in turn
         for run in order:
             run.steps.append(_step(run, local, device, False))
             run.free_steps.append(_step(run, local, device, True))
-    speed.append(host_speed(ap.device_profile, device, dtype))
     peaks = [_measured_peak(run, local, device) for run in runs]
     times = torch.tensor(
         [[*r.steps, *r.free_steps, p] for r, p in zip(runs, peaks)], dtype=torch.float64, device=device
@@ -255,7 +225,6 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
         "plans": rows,
         "refused": refused,
         "kendall_tau": tau,
-        "host_speed": speed,
     }
     if rank != 0:
         return None
@@ -277,11 +246,6 @@ def _print(result: dict) -> None:
     for name, why in result["refused"].items():
         print(f"{name:<9} not run: {why}")
     print(f"rank agreement of predicted and measured order: Kendall tau {result['kendall_tau']:+.2f}")
-    before, after = result["host_speed"]
-    print(
-        f"host speed: a 512-cube matmul ran at {before:.2f}x the profile's rate before the steps and {after:.2f}x"
-        " after (1: as calibrated; a compute error of about the same size is the host's, not the plan's)"
-    )
 
 
 def add_parser(sub) -> None:

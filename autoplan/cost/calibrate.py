@@ -90,6 +90,12 @@ class CalibrateOptions:
         return 4e-3 if self.fast else 40e-3
 
     @property
+    def skew_trials(self) -> int:
+        """Trials of ``measure_skew``: single trials on 2 gloo processes range from -13 to +22 ms
+        around a mean of a few, so the mean needs ~100 (about 10 s) to settle within 2%."""
+        return 9 if self.fast else 120
+
+    @property
     def repeats(self) -> int:
         return 3 if self.fast else 7
 
@@ -222,6 +228,30 @@ def _collective(kind: CollectiveKind, nbytes: int, group, device: torch.device) 
     return lambda: dist.all_to_all_single(out, shard, group=group)
 
 
+def _seconds_after(
+    burst: Callable[[], object], fn: Callable[[], object], device: torch.device, repeats: int, inner: int
+) -> float:
+    """The median over ``repeats`` of ``fn``'s own time, per call, each call timed alone right after
+    a ``burst``: the burst's cold caches and sleeping threads land in ``fn``'s time, its own time
+    does not (taking a separately timed burst off the pair's time leaves noise the size of the
+    burst's, which swamps a small collective and can leave it at nothing)."""
+    burst()
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(inner):
+            burst()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            total += time.perf_counter() - t0
+        times.append(total / inner)
+    return statistics.median(times)
+
+
 def _matmul_loop(
     seconds: float, side: int, device: torch.device, group, opts: CalibrateOptions
 ) -> tuple[Callable[[], None], int]:
@@ -242,16 +272,13 @@ def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say
     """``[(kind, group size, bytes of the full tensor, seconds)]`` on ``group``, every rank timing alike.
 
     Where the backend runs collectives on the cores that compute (gloo), each one is timed as a
-    training step meets it: after a burst of compute (``CalibrateOptions.collective_gap``), whose own
-    time is taken off. Back to back, a collective finds its peer ready, its worker thread awake and
+    training step meets it: right after a burst of compute (``CalibrateOptions.collective_gap``,
+    ``_seconds_after``). Back to back, a collective finds its peer ready, its worker thread awake and
     its buffers in cache; after compute it finds none of them, and pays for it (2 gloo processes on
     2 cores: about a millisecond more per collective at every size)."""
     n = dist.get_world_size(group)
     gap = opts.collective_gap(device)
-    burst, t_burst = (lambda: None), 0.0
-    if gap:
-        burst, _ = _matmul_loop(gap, 128, device, group, opts)
-        t_burst = _seconds(burst, device, opts.repeats)
+    burst = _matmul_loop(gap, 128, device, group, opts)[0] if gap else (lambda: None)
     rows = []
     with warnings.catch_warnings():  # torch 2.13 renames the tensor collectives; older torch lacks the new names
         warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
@@ -259,7 +286,7 @@ def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say
             for nbytes in opts.collective_bytes:
                 fn = _collective(kind, nbytes, group, device)
                 dist.barrier(group=group)
-                s = max(_seconds(lambda fn=fn: (burst(), fn()), device, opts.repeats, inner=3) - t_burst, 1e-6)
+                s = _seconds_after(burst, fn, device, opts.repeats, inner=3)
                 rows.append((kind, n, nbytes, s))
                 say(f"{kind} over {n} ranks, {nbytes / 2**10:.0f} KiB: {s * 1e6:.0f} us")
     return rows
@@ -314,8 +341,11 @@ def measure_skew(group, device: torch.device, opts: CalibrateOptions, say: Calla
     all-reduce, once for a short stretch (``collective_gap``, after which the collectives were
     timed) and once for a long one (``skew_gap``). The slowest rank's pair, less the ranks' mean
     matmuls alone, is what the all-reduce cost after that stretch; its growth from the short
-    stretch to the long one, over the matmuls' growth, is the trial's fraction, and the median
-    trial's is the profile's. 0 on GPUs, whose collectives do not share the host's cores."""
+    stretch to the long one is what the longer compute made it wait. The fraction is the sum of
+    those waits over the sum of the compute's growth, over all trials: a step pays the mean wait
+    at each of its many blocking collectives, and most trials wait little while a few (a rank
+    descheduled) wait long, so a median would miss most of it. 0 on GPUs, whose collectives do
+    not share the host's cores."""
     if device.type == "cuda":
         return 0.0
     small = torch.ones(1024, device=device)
@@ -329,8 +359,8 @@ def measure_skew(group, device: torch.device, opts: CalibrateOptions, say: Calla
         fn()
         return time.perf_counter() - t0
 
-    fractions = []
-    for _ in range(opts.repeats):
+    waited, computed = [], []
+    for _ in range(opts.skew_trials):
         t = torch.tensor(
             [timed(short), timed(lambda: (short(), dist.all_reduce(small, group=group)))]
             + [timed(long), timed(lambda: (long(), dist.all_reduce(small, group=group)))],
@@ -340,12 +370,13 @@ def measure_skew(group, device: torch.device, opts: CalibrateOptions, say: Calla
         dist.all_reduce(mean, group=group)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         c_short, c_long = mean[0].item() / n, mean[2].item() / n
-        waited = (slowest[3].item() - c_long) - (slowest[1].item() - c_short)
-        fractions.append(min(max(waited / max(c_long - c_short, 1e-9), 0.0), 1.0))
-    fraction = statistics.median(fractions)
+        waited.append((slowest[3].item() - c_long) - (slowest[1].item() - c_short))
+        computed.append(c_long - c_short)
+    fraction = min(max(sum(waited) / max(sum(computed), 1e-9), 0.0), 1.0)
     say(
-        f"rank skew: {loops} matmuls take the ranks {c_long * 1e3:.1f} ms on average; a small all-reduce after"
-        f" them waits a median {fraction:.1%} of that for the last rank"
+        f"rank skew: {loops} matmuls take the ranks {statistics.mean(computed) * 1e3:.1f} ms more than the short"
+        f" stretch on average; a small all-reduce after them waits {fraction:.1%} of that longer for the last rank"
+        f" (over {len(waited)} trials; single trials {min(waited) * 1e3:+.1f} to {max(waited) * 1e3:+.1f} ms)"
     )
     return fraction
 
