@@ -135,7 +135,7 @@ class CostBreakdown:
 
     @property
     def exposed_comm(self) -> float:
-        return self.comm - self.hidden_comm
+        return max(self.comm - self.hidden_comm, 0.0)  # all hidden: not a rounding's -0.0
 
     @property
     def total(self) -> float:

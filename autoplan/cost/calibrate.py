@@ -91,9 +91,14 @@ class CalibrateOptions:
 
     @property
     def skew_trials(self) -> int:
-        """Trials of ``measure_skew``: single trials on 2 gloo processes range from -13 to +22 ms
-        around a mean of a few, so the mean needs ~100 (about 10 s) to settle within 2%."""
+        """Trials of ``measure_skew`` at most: single trials on 2 gloo processes range from -13 to
+        +22 ms around a mean of a few, so the mean needs ~100 (about 10 s there) to settle within 2%."""
         return 9 if self.fast else 120
+
+    @property
+    def skew_seconds(self) -> float:
+        """When ``measure_skew`` stops short of ``skew_trials``: 4 processes on 2 cores take 30 s for 120."""
+        return 1.0 if self.fast else 12.0
 
     @property
     def repeats(self) -> int:
@@ -360,18 +365,21 @@ def measure_skew(group, device: torch.device, opts: CalibrateOptions, say: Calla
         return time.perf_counter() - t0
 
     waited, computed = [], []
+    start = time.perf_counter()
     for _ in range(opts.skew_trials):
         t = torch.tensor(
             [timed(short), timed(lambda: (short(), dist.all_reduce(small, group=group)))]
             + [timed(long), timed(lambda: (long(), dist.all_reduce(small, group=group)))],
             dtype=torch.float64,
         )
-        mean, slowest = t.clone(), t.clone()
+        mean, slowest = t.clone(), torch.cat([t, torch.tensor([time.perf_counter() - start], dtype=torch.float64)])
         dist.all_reduce(mean, group=group)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         c_short, c_long = mean[0].item() / n, mean[2].item() / n
         waited.append((slowest[3].item() - c_long) - (slowest[1].item() - c_short))
         computed.append(c_long - c_short)
+        if slowest[4].item() > opts.skew_seconds:  # every rank reads the same slowest clock: all stop alike
+            break
     fraction = min(max(sum(waited) / max(sum(computed), 1e-9), 0.0), 1.0)
     say(
         f"rank skew: {loops} matmuls take the ranks {statistics.mean(computed) * 1e3:.1f} ms more than the short"
