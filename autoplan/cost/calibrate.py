@@ -273,17 +273,24 @@ def _matmul_loop(
     return loop, loops
 
 
-def measure_collectives(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> list:
+def collective_burst(group, device: torch.device, opts: CalibrateOptions) -> Callable[[], None]:
+    """The compute each timed collective follows (``CalibrateOptions.collective_gap``): matmuls, the
+    same count on every rank, or nothing on GPUs."""
+    gap = opts.collective_gap(device)
+    return _matmul_loop(gap, 128, device, group, opts)[0] if gap else (lambda: None)
+
+
+def measure_collectives(
+    group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None], burst: Callable[[], None]
+) -> list:
     """``[(kind, group size, bytes of the full tensor, seconds)]`` on ``group``, every rank timing alike.
 
     Where the backend runs collectives on the cores that compute (gloo), each one is timed as a
-    training step meets it: right after a burst of compute (``CalibrateOptions.collective_gap``,
+    training step meets it: right after a ``burst`` of compute (``collective_burst``,
     ``_seconds_after``). Back to back, a collective finds its peer ready, its worker thread awake and
     its buffers in cache; after compute it finds none of them, and pays for it (2 gloo processes on
     2 cores: about a millisecond more per collective at every size)."""
     n = dist.get_world_size(group)
-    gap = opts.collective_gap(device)
-    burst = _matmul_loop(gap, 128, device, group, opts)[0] if gap else (lambda: None)
     rows = []
     with warnings.catch_warnings():  # torch 2.13 renames the tensor collectives; older torch lacks the new names
         warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
@@ -338,15 +345,17 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
     return fraction
 
 
-def measure_skew(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> float:
+def measure_skew(
+    group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None], short: Callable[[], None]
+) -> float:
     """How far apart ranks given the same compute finish it, as a fraction of it: what a blocking
     collective after a stretch of compute waits for, beyond its own time (``DeviceProfile.rank_skew``).
 
     Each trial times, on every rank, a fixed count of matmuls alone and then followed by a small
-    all-reduce, once for a short stretch (``collective_gap``, after which the collectives were
-    timed) and once for a long one (``skew_gap``). The slowest rank's pair, less the ranks' mean
-    matmuls alone, is what the all-reduce cost after that stretch; its growth from the short
-    stretch to the long one is what the longer compute made it wait. The fraction is the sum of
+    all-reduce, once for a ``short`` stretch (the burst the collectives were timed after,
+    ``collective_burst``) and once for a long one (``skew_gap``). The slowest rank's pair, less the
+    ranks' mean matmuls alone, is what the all-reduce cost after that stretch; its growth from the
+    short stretch to the long one is what the longer compute made it wait. The fraction is the sum of
     those waits over the sum of the compute's growth, over all trials: a step pays the mean wait
     at each of its many blocking collectives, and most trials wait little while a few (a rank
     descheduled) wait long, so a median would miss most of it. 0 on GPUs, whose collectives do
@@ -354,7 +363,6 @@ def measure_skew(group, device: torch.device, opts: CalibrateOptions, say: Calla
     if device.type == "cuda":
         return 0.0
     small = torch.ones(1024, device=device)
-    short, _ = _matmul_loop(opts.collective_gap(device), 128, device, group, opts)
     long, loops = _matmul_loop(opts.skew_gap, 128, device, group, opts)
     n = dist.get_world_size(group)
 
@@ -500,14 +508,15 @@ def calibrate(
     }
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1 and dist.get_backend(group) != "fake":  # a planning host's fake group moves nothing
-        rows = measure_collectives(group, device, opts, say)
+        burst = collective_burst(group, device, opts)
+        rows = measure_collectives(group, device, opts, say, burst)
         latency, link = fit_link(rows)
         kinds = fit_kinds(rows)
         say(f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s; per kind:")
         for kind, lat, bw in kinds:
             say(f"  {kind}: latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s")
         overlap = measure_overlap(group, device, opts, say)
-        skew = measure_skew(group, device, opts, say)
+        skew = measure_skew(group, device, opts, say, burst)
         profile = dataclasses.replace(
             profile,
             intra_node_latency=latency,

@@ -150,6 +150,8 @@ class CostModel:
         self.profile = profile
         self.expert_imbalance = expert_imbalance  # the busiest expert-parallel rank's tokens over the mean
         self.topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
+        # a step of several ranks waits for the slowest at each blocking collective
+        self.skew = 1.0 + profile.rank_skew if math.prod(self.topology.shape) > 1 else 1.0
         # Keyed by ``_key``; mesh and profile are fixed per instance.
         self._ids: dict[Placements, int] = {}
         self._by_object: dict[int, tuple[Placements, int]] = {}  # by ``id``: a tuple already numbered
@@ -554,10 +556,9 @@ class CostModel:
         at each blocking collective (the profile's ``rank_skew``), and a grouped matmul split over
         its experts waits for the rank whose experts got the most tokens (``expert_imbalance``, from
         the data: 1 prices the balanced case); any other split divides the work evenly."""
-        skew = 1.0 + self.profile.rank_skew if math.prod(self.topology.shape) > 1 else 1.0
         if self.expert_imbalance == 1.0 or not grouped_mm.expert_mesh_dims(node, strategy.inputs, strategy.outputs):
-            return skew
-        return skew * self.expert_imbalance
+            return self.skew
+        return self.skew * self.expert_imbalance
 
     def ideal_op_seconds(self, node: fx.Node) -> float:
         """``node``'s FLOPs at the devices' peak rate, spread evenly over all of them (for MFU)."""
