@@ -36,6 +36,7 @@ def _plan(profile, inputs=None):
         return ap.optimize_placement()
 
 
+@pytest.mark.slow  # 12-23 s of measuring: no numerics, kept out of the README's ten-minute command
 def test_fast_calibration_writes_a_profile_that_loads_back_and_plans(tmp_path, capsys):
     out = tmp_path / "profile.json"
     world = fake_mesh((4,)).get_group()  # the caller's process group: the command must leave it alone
@@ -278,6 +279,7 @@ def _calibrate_rank(rank: int):
     return profile.intra_node_latency, profile.intra_node_bandwidth, len(measured["collectives"])
 
 
+@pytest.mark.slow  # ~12 s: two gloo processes calibrating
 def test_calibration_on_two_gloo_processes_fits_their_link():
     (latency, bandwidth, rows), _ = run_gloo(_calibrate_rank, 2)
     assert rows == 4 * 3  # four collectives at three sizes
