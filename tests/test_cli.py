@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoplan import Plan
 from autoplan.cli import main
+from autoplan.plan import placements_str
 
 WO = "layers.*.attention.wo.weight"
 
@@ -43,7 +44,7 @@ def plans(tmp_path_factory):
     # pinned to a split the free plan did not choose, so that the diff has moves to list
     chosen = {p for f, p in Plan.from_json(out / "free.json").param_placements.items() if f.endswith("wo.weight")}
     pin = (Shard(0), Shard(0)) if (Shard(1), Shard(0)) in chosen else (Shard(1), Shard(0))
-    text = "".join(f"S({p.dim})" for p in pin)
+    text = placements_str(pin)
     assert main([*argv, "--pin", f"{WO}={text}", "-o", str(out / "pinned.json")]) == 0
     return out / "free.json", out / "pinned.json", pin, text
 
