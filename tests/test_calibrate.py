@@ -4,6 +4,7 @@ plans differently from the built-in one, and fits the links of real gloo process
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from autoplan import AutoParallel
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.bench.validate import kendall_tau
 from autoplan.cli import main
-from autoplan.cost.calibrate import CalibrateOptions, calibrate, fit_kinds, fit_link
+from autoplan.cost.calibrate import TIMED_SECONDS, CalibrateOptions, _calls_filling, calibrate, fit_kinds, fit_link
 from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import CPU_GLOO, dtype_name, profile_from_json, profile_to_json, resolve_profile, thinness
 from autoplan.cost.network import flat_collective_seconds
@@ -80,6 +81,22 @@ def test_sizes_past_the_longest_call_are_left_out_and_the_curves_end_where_measu
     for dtype in (torch.float32, torch.bfloat16):
         assert len(profile.curve_for("matmul", dtype)) == 1 and len(profile.curve_for("attention", dtype)) == 1
     assert _plan(profile, (Shard(0),)).cost.total > 0
+
+
+def test_a_kernel_is_timed_over_as_many_calls_as_fill_the_timing_not_as_its_flops_say():
+    """A GPU runs a thin 4x128x128 matmul at its launch rate, not its FLOP rate: sizing the calls
+    by FLOPs ran it 1.5 million times and took the H200's calibration past its 90 s limit. The
+    count comes from the time one call takes."""
+    slow = lambda: time.sleep(0.01)  # noqa: E731
+    assert _calls_filling(slow, torch.device("cpu"), TIMED_SECONDS) == 1
+    calls = []
+    fast = lambda: calls.append(time.perf_counter())  # noqa: E731
+    n = _calls_filling(fast, torch.device("cpu"), TIMED_SECONDS)
+    assert 10 < n < 10**7  # a list append takes well under a microsecond (more, if the host is busy)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fast()
+    assert time.perf_counter() - t0 < 20 * TIMED_SECONDS  # n calls span about the timing, not minutes
 
 
 def test_a_changed_profile_changes_the_costs_and_where_it_should_the_plan(tmp_path):

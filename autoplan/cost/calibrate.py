@@ -113,6 +113,9 @@ class CalibrateOptions:
         return 1e-3 if self.fast else 5e-3
 
 
+TIMED_SECONDS = 4e-3  # one timing of a kernel spans this long: launches and timer reads fade in it
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -130,6 +133,18 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner
         _sync(device)
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
+
+
+def _calls_filling(fn: Callable[[], object], device: torch.device, seconds: float) -> int:
+    """How many calls of ``fn`` take about ``seconds`` (at least one), from one timed call after a
+    warm-up. Counted from time, not FLOPs: on a GPU a small kernel costs its launch, microseconds
+    whatever its FLOPs, and a count sized by FLOPs ran a thin 4x128x128 matmul 1.5 million times."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return max(1, int(seconds / max(time.perf_counter() - t0, 1e-7)))
 
 
 def matmul_shapes(n: int) -> tuple[tuple[int, int, int], ...]:
@@ -169,8 +184,8 @@ def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[
                 a = torch.randn(m, k, device=device).to(dtype)
                 b = torch.randn(k, n, device=device).to(dtype)
                 flops = 2.0 * m * k * n
-                inner = max(1, int(2e8 // flops)) if device.type == "cpu" else max(1, int(2e11 // flops))
-                s = _seconds(lambda a=a, b=b: torch.mm(a, b), device, opts.repeats, inner)
+                mm = lambda a=a, b=b: torch.mm(a, b)
+                s = _seconds(mm, device, opts.repeats, _calls_filling(mm, device, TIMED_SECONDS))
                 nbytes = a.element_size() * (m * k + k * n + m * n)
                 rows.append((size, flops, flops / s, thinness(flops, nbytes, a.element_size())))
                 say(f"matmul {dtype_name(dtype)} {m}x{k}x{n}: {flops / s / 1e9:.1f} GFLOP/s")
@@ -197,8 +212,7 @@ def measure_attention(device: torch.device, opts: CalibrateOptions, say: Callabl
 
             if i and _too_slow(step, device, opts, f"attention {dtype_name(dtype)} seq {seq}", say):
                 break
-            inner = max(1, int((2e8 if device.type == "cpu" else 2e11) // flops))
-            s = _seconds(step, device, opts.repeats, inner)
+            s = _seconds(step, device, opts.repeats, _calls_filling(step, device, TIMED_SECONDS))
             rows.append((seq, flops, flops / s))
             say(f"attention {dtype_name(dtype)} seq {seq}: {flops / s / 1e9:.1f} GFLOP/s")
         table[dtype_name(dtype)] = rows
