@@ -234,9 +234,54 @@ H100_SXM = DeviceProfile(
     kernel_launch=4e-6,
     nvls=True,
 )
+# The kernels of one H200 SXM as ``autoplan calibrate --device cuda`` measured them (2026-11-28, torch
+# 2.11, cuBLAS and SDPA's flash kernel), as fractions of the datasheet peak: matmuls of (n/r, n, n) at
+# n = 128, 256, ..., 8192, per (dtype, r); causal attention of 16 heads of 128 at sequence 512, 2048 and
+# 8192, per dtype. Large bf16 GEMMs reach 0.79 of the 989 TFLOPS, not the 0.6 guessed for the H100;
+# small ones are bound by their launch (about 11 us a call through PyTorch there).
+_H200_MATMUL = {
+    ("float32", 1): (0.00459, 0.0286, 0.235, 0.562, 0.748, 0.754, 0.759),
+    ("float32", 8): (0.000148, 0.00482, 0.034, 0.27, 0.589, 0.673, 0.762),
+    ("float32", 32): (0.000124, 0.00109, 0.00858, 0.0701, 0.386, 0.668, 0.687),
+    ("bfloat16", 1): (0.000326, 0.0022, 0.0155, 0.124, 0.705, 0.789, 0.777),
+    ("bfloat16", 8): (3.05e-05, 0.000261, 0.00192, 0.0162, 0.134, 0.707, 0.789),
+    ("bfloat16", 32): (1.07e-05, 6.48e-05, 0.000482, 0.00412, 0.033, 0.261, 0.653),
+    ("float16", 1): (0.000343, 0.00273, 0.0217, 0.165, 0.694, 0.757, 0.757),
+    ("float16", 8): (4.29e-05, 0.000353, 0.00281, 0.0227, 0.171, 0.675, 0.71),
+    ("float16", 32): (1.08e-05, 8.7e-05, 0.000684, 0.00574, 0.0417, 0.308, 0.625),
+}
+_H200_ATTENTION = {
+    "float32": (0.212, 0.386, 0.564),
+    "bfloat16": (0.0168, 0.271, 0.523),
+    "float16": (0.0257, 0.248, 0.505),
+}
+_H200_ATTENTION_FLOPS = (3.758e9, 6.013e10, 9.621e11)  # 3.5 x sdpa_flops: a forward and its backward
+
+
+def _h200_curves() -> tuple[tuple, ...]:
+    """``kernel_efficiency`` rows of the H200's measured tables, each matmul at its ``thinness``."""
+    rows: list[tuple] = []
+    for (dtype, r), fractions in _H200_MATMUL.items():
+        sizes = [128 << i for i in range(7)]
+        flops = [2.0 * (n // r) * n * n for n in sizes]
+        # one thinness for the family, at any size: one curve (calibrate rounds it the same way)
+        thin = round(thinness(flops[-1], 2 * (2 * (sizes[-1] // r) * sizes[-1] + sizes[-1] ** 2), 2), 3)
+        rows += [("matmul", dtype, f, e, thin) for f, e in zip(flops, fractions, strict=True)]
+    for dtype, fractions in _H200_ATTENTION.items():
+        rows += [("attention", dtype, f, e) for f, e in zip(_H200_ATTENTION_FLOPS, fractions, strict=True)]
+    return tuple(rows)
+
+
 # NVIDIA H200 SXM. Source: NVIDIA H200 Tensor Core GPU datasheet: the H100's compute and NVLink 4
-# with 141 GB of HBM3e at 4.8 TB/s.
-H200_SXM = dataclasses.replace(H100_SXM, name="H200-SXM-141GB", hbm_bandwidth=4.8e12, memory_bytes=141 * 10**9)
+# with 141 GB of HBM3e at 4.8 TB/s; its kernels as measured (``_H200_MATMUL``, ``_H200_ATTENTION``).
+H200_SXM = dataclasses.replace(
+    H100_SXM,
+    name="H200-SXM-141GB",
+    hbm_bandwidth=4.8e12,
+    memory_bytes=141 * 10**9,
+    compute_efficiency=1.0,
+    kernel_efficiency=_h200_curves(),
+)
 # NVIDIA A100 SXM4 80GB. Source: NVIDIA A100 Tensor Core GPU datasheet: bf16 312 TFLOPS dense,
 # fp32 19.5; HBM2e 2,039 GB/s; NVLink 3 600 GB/s both directions (second-generation NVSwitch: no
 # in-switch reduction); DGX A100: one 200 Gb/s HDR NIC per GPU. No fp8.
