@@ -87,10 +87,10 @@ def test_a_kernel_is_timed_over_as_many_calls_as_fill_the_timing_not_as_its_flop
     """A GPU runs a thin 4x128x128 matmul at its launch rate, not its FLOP rate: sizing the calls
     by FLOPs ran it 1.5 million times and took the H200's calibration past its 90 s limit. The
     count comes from the time one call takes."""
-    slow = lambda: time.sleep(0.01)  # noqa: E731
+    slow = lambda: time.sleep(0.01)
     assert _calls_filling(slow, torch.device("cpu"), TIMED_SECONDS) == 1
     calls = []
-    fast = lambda: calls.append(time.perf_counter())  # noqa: E731
+    fast = lambda: calls.append(time.perf_counter())
     n = _calls_filling(fast, torch.device("cpu"), TIMED_SECONDS)
     assert 10 < n < 10**7  # a list append takes well under a microsecond (more, if the host is busy)
     t0 = time.perf_counter()

@@ -138,7 +138,7 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner
 def _calls_filling(fn: Callable[[], object], device: torch.device, seconds: float) -> int:
     """How many calls of ``fn`` take about ``seconds`` (at least one), from one timed call after a
     warm-up. Counted from time, not FLOPs: on a GPU a small kernel costs its launch, microseconds
-    whatever its FLOPs, and a count sized by FLOPs ran a thin 4x128x128 matmul 1.5 million times."""
+    whatever its FLOPs, so a count sized by FLOPs runs the thinnest matmuls for minutes."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
