@@ -600,9 +600,8 @@ class AutoParallel:
         from JSON) that meets the current constraints, is where the solver begins: the plan found
         is never worse than it, whatever ``mip_rel_gap``.
 
-        Identical layers share decisions, except the one the backward runs last, whose gradients
-        have no compute after them to hide under; layers with other neighbours (the last) are then
-        re-solved on their own (``plan.ilp["refinements"]``). Under a ``bytes_per_device`` cap the planner may recompute
+        Identical layers share decisions; the first and last layers are then re-solved on their own
+        (``plan.ilp["refinements"]``). Under a ``bytes_per_device`` cap the planner may recompute
         layers' forward values in backward (``plan.recompute``) and pays for it in the step time.
         """
         self._require_traced()

@@ -455,26 +455,16 @@ def _may_outlive(sched: Schedule, owner: Key, dies: dict[Key, int]) -> bool:
 def held_by_views(sched: Schedule, storages: list[Key], step: int) -> list[tuple[Key, Key]]:
     """(storage, view) for each of ``storages`` alive at ``step`` only because one view read from
     it is still read (itself or through its own views): where that view reads it moved, the
-    storage is dead by then (``_outlived``). The same holds down a chain of such views (a
-    reshape, then its transpose read gathered): each link is a pair, since whichever of them reads
-    its input moved ends the storage. An ILP row counts such a storage less its bytes where a
-    link's input move is made; one kept by several views it counts whole. (A chain moved at two
-    links would be taken off twice; the rounds that check a plan against the walk add back what a
-    row misses.)"""
+    storage is dead by then (``_outlived``). An ILP row counts such a storage less its bytes where
+    the view's input move is made; one kept by several views it counts whole (never less than the
+    walk)."""
     out = []
     for o in storages:
         if _may_outlive(sched, o, sched.dies) and sched.last_use[o] < step:
-            v = _sole_view(sched, o, step)
-            while v is not None:
-                out.append((o, v))
-                v = _sole_view(sched, v, step) if sched.last_use[v] < step else None
+            alive = [v for v in sched.views.get(o, ()) if sched.view_last[v] >= step]
+            if len(alive) == 1:
+                out.append((o, alive[0]))
     return out
-
-
-def _sole_view(sched: Schedule, k: Key, step: int) -> Key | None:
-    """The one view of ``k`` still read at or after ``step`` (itself or through its views), if one."""
-    alive = [v for v in sched.views.get(k, ()) if sched.view_last[v] >= step]
-    return alive[0] if len(alive) == 1 else None
 
 
 def _prefetched(sched: Schedule, chosen: dict[fx.Node, Strategy], mesh_shape) -> list[tuple[int, int, int]]:

@@ -8,13 +8,9 @@ program issues ahead of their reader, or waits for after other work, run beside 
   gathers a layer ahead (``AutoParallel(prefetch=True)``, ``lower.passes.prefetch``, as FSDP does on
   a second stream). Without prefetch the lowering issues it right before its reader, which waits.
 - A parameter's gradient, once produced, moves into its parameter's placement while the backward
-  goes on: under the compute that *follows* its producer. Layers are alike, so a layer's own
-  backward stands for the next one's, as for prefetch. The layer the backward runs last has no
-  layer after it, only what follows the layers (an embedding's backward: little or nothing), so
-  its gradients, and those of the ops after it, do not hide. An all-reduce's wait is where the
-  result is read (``lower.passes.wait_sinking``). A reduce-scatter's wait still follows it at
-  once, and is priced hidden all the same until it is sunk too: priced exposed, it steers plans
-  to layouts whose memory the walk over-counts.
+  goes on. An all-reduce's wait is where the result is read (``lower.passes.wait_sinking``). A
+  reduce-scatter's wait still follows it at once, and is priced hidden all the same until it is
+  sunk too: priced exposed, it steers plans to layouts whose memory the walk over-counts.
 - A parameter's gathered view is not kept for the backward: the lowering gathers it again there
   (``regathered``; FSDP's reshard after forward). The move into it, where it runs a collective,
   runs twice, the second time in the backward segment of its layer, where it hides only under the
@@ -91,18 +87,6 @@ def read_again(tg: TracedGraph) -> frozenset[fx.Node]:
     return frozenset(found)
 
 
-def _closing(tg: TracedGraph, instance: dict[fx.Node, str]) -> tuple[frozenset[fx.Node], str]:
-    """The backward ops of the layer instance the backward runs last, and the ops after it: no
-    layer's compute follows them (none in a graph without repeated layers, whose backward is one
-    segment); and that instance."""
-    backward = [n for n in tg.gm.graph.nodes if n.op == "call_function" and phase(n) == "backward"]
-    last = max((i for i, n in enumerate(backward) if instance.get(n, "")), default=None)
-    if last is None:
-        return frozenset(), ""
-    layer = instance[backward[last]]
-    return frozenset(n for i, n in enumerate(backward) if i > last or instance.get(n, "") == layer), layer
-
-
 def segment(instance: str, phase_name: str) -> str:
     return f"{instance or '(outside layers)'} {phase_name}"
 
@@ -116,16 +100,13 @@ class Hiding:
     params: frozenset[fx.Node]
     early: frozenset[fx.Node]  # parameter-only values where the program prefetches them, else none
     again: frozenset[fx.Node]  # views whose incoming move the backward runs again (``read_again``)
-    closing: frozenset[fx.Node]  # backward ops no layer's backward follows (``_closing``)
-    closing_layer: str  # the layer instance among them ("" without repeated layers)
 
     @classmethod
     def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None, prefetch: bool = False) -> Hiding:
         if instance is None:
             instance = {n: i for n, (i, _) in layer_instances(tg).items()}
         early = parameter_only(tg) if prefetch else frozenset()
-        params = frozenset(tg.placeholder_for("param").values())
-        return cls(instance, params, early, read_again(tg), *_closing(tg, instance))
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), early, read_again(tg))
 
     def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool, again: bool = False) -> str | None:
         """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.
@@ -134,13 +115,11 @@ class Hiding:
         output placement (a parameter taking its gradient, a tangent taking a model output). A
         prefetched parameter-only value read by an op counts in the op's segment (``again``: the
         backward's run of the move, in the backward segment of the op's layer); a gradient moved
-        into its parameter's placement counts in its producer's, standing for the next layer's
-        (the move runs while the backward goes on), and nowhere where its producer is in
-        ``closing``. The planner gives the closing layer decisions of its own
-        (``Planner._untie_closing_layer``), so a representative's segment is its own layer's.
+        into its parameter's placement counts in its producer's (the move runs while the backward
+        goes on).
         """
         if into_output:
-            if reader not in self.params or src in self.closing:
+            if reader not in self.params:
                 return None
             at = src
         elif reader is None or src not in self.early:

@@ -119,24 +119,9 @@ class Planner:
         self.mesh_shape = tuple(self.mesh.shape)
         self._started = time.perf_counter()  # when the current ``plan`` began: progress lines say since when
         self.shared = Shared(self.tg, self.clustering, self.prefetch)
-        self._untie_closing_layer()
         self.peak = PeakRows(
             self.tg, self.clustering, self.mesh, self.device_profile, self.optimizer, self.shared, self.prefetch
         )
-
-    def _untie_closing_layer(self) -> None:
-        """The layer the backward runs last decides on its own from the main solve on. None of its
-        gradients hide (``overlap.Hiding.closing``), so it prefers other layouts than the layers
-        whose gradients do; tied to them, its exposed gradients would sway the whole class, and
-        re-solving it alone afterwards cannot give back what the other layers gave up. Its copies
-        take their representative's strategies, as a re-solve's untied layers do."""
-        closing = self.shared.hiding.closing_layer
-        if not any(closing in c for c in self.clustering.classes):
-            return
-        old = self.clustering.rep
-        self.clustering = untie(self.clustering, (closing,))
-        reps = [n for n, r in self.clustering.rep.items() if r is n and old[n] in self.strategies]
-        self.strategies = {**self.strategies, **{n: self.strategies[old[n]] for n in reps}}
 
     # ---- rows ---------------------------------------------------------------------------
 
@@ -446,10 +431,9 @@ class Planner:
     def plan(self, request: Request, trace_timings: dict[str, float]) -> Plan:
         """Solve for the cheapest plan under ``request``.
 
-        Identical layers share decisions, but the one the backward runs last decides on its own
-        (``_untie_closing_layer``). Other layers with different neighbours (the last) are tied to
-        the rest for the main solve, then each is re-solved on its own against the rest
-        (``plan.ilp["refinements"]``): their neighbours differ, so their best choices can too.
+        Identical layers share decisions. The first and last layers are tied to the others for the
+        main solve, then each is re-solved on its own against the rest (``plan.ilp["refinements"]``):
+        their neighbours differ, so their best choices can too.
         """
         with collector_paused():
             return self._plan(request, trace_timings)
