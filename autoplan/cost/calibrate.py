@@ -121,10 +121,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner: int = 1) -> float:
-    """The median over ``repeats`` timings of ``inner`` calls of ``fn``, per call, after a warm-up."""
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner: int | None = 1) -> float:
+    """The median over ``repeats`` timings of ``inner`` calls of ``fn``, per call, after a warm-up;
+    ``inner=None``: as many calls as fill ``TIMED_SECONDS`` (``_calls_filling``)."""
     fn()
     _sync(device)
+    if inner is None:
+        inner = _calls_filling(fn, device, TIMED_SECONDS)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -136,10 +139,9 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int, inner
 
 
 def _calls_filling(fn: Callable[[], object], device: torch.device, seconds: float) -> int:
-    """How many calls of ``fn`` take about ``seconds`` (at least one), from one timed call after a
-    warm-up. Counted from time, not FLOPs: on a GPU a small kernel costs its launch, microseconds
-    whatever its FLOPs, so a count sized by FLOPs runs the thinnest matmuls for minutes."""
-    fn()
+    """How many calls of ``fn`` take about ``seconds`` (at least one), from one timed call (warm it
+    up first). Counted from time, not FLOPs: on a GPU a small kernel costs its launch,
+    microseconds whatever its FLOPs, so a count sized by FLOPs runs the thinnest matmuls for minutes."""
     _sync(device)
     t0 = time.perf_counter()
     fn()
@@ -184,8 +186,7 @@ def measure_matmuls(device: torch.device, opts: CalibrateOptions, say: Callable[
                 a = torch.randn(m, k, device=device).to(dtype)
                 b = torch.randn(k, n, device=device).to(dtype)
                 flops = 2.0 * m * k * n
-                mm = lambda a=a, b=b: torch.mm(a, b)
-                s = _seconds(mm, device, opts.repeats, _calls_filling(mm, device, TIMED_SECONDS))
+                s = _seconds(lambda a=a, b=b: torch.mm(a, b), device, opts.repeats, inner=None)
                 nbytes = a.element_size() * (m * k + k * n + m * n)
                 rows.append((size, flops, flops / s, thinness(flops, nbytes, a.element_size())))
                 say(f"matmul {dtype_name(dtype)} {m}x{k}x{n}: {flops / s / 1e9:.1f} GFLOP/s")
@@ -212,7 +213,7 @@ def measure_attention(device: torch.device, opts: CalibrateOptions, say: Callabl
 
             if i and _too_slow(step, device, opts, f"attention {dtype_name(dtype)} seq {seq}", say):
                 break
-            s = _seconds(step, device, opts.repeats, _calls_filling(step, device, TIMED_SECONDS))
+            s = _seconds(step, device, opts.repeats, inner=None)
             rows.append((seq, flops, flops / s))
             say(f"attention {dtype_name(dtype)} seq {seq}: {flops / s / 1e9:.1f} GFLOP/s")
         table[dtype_name(dtype)] = rows
