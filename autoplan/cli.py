@@ -5,7 +5,8 @@
     autoplan show plan.json
     autoplan explain plan.json "layers.*.attention" [--all]
     autoplan diff a.json b.json
-    autoplan calibrate --out profile.json        (torchrun --nproc-per-node N -m autoplan.cli calibrate: links too)
+    autoplan calibrate --out profile.json        (torchrun --nproc-per-node N -m autoplan.cli calibrate: links too;
+                                                 --mesh 2x2: on each mesh dim's groups)
 
 A factory (``module:function``, found from the current folder too) returns ``(model, input_fn)``;
 build the model on the meta device so that planning needs no memory. Planning runs on a fake
@@ -105,9 +106,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
+    from autoplan.bench.workloads import parse_mesh
     from autoplan.cost.calibrate import CalibrateOptions, calibrate, write_profile
     from autoplan.run.group import join_group
 
+    try:
+        mesh = parse_mesh(args.mesh) if args.mesh else None
+    except ValueError as e:
+        raise SystemExit(f"autoplan calibrate: --mesh: {e}") from None
     cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     owns_group = join_group(device.type, single=False)
@@ -118,12 +124,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"[{time.perf_counter() - started:5.1f} s] {line}", flush=True)
 
-    profile, measured = calibrate(device, None, CalibrateOptions(fast=args.fast, name=args.name), say)
-    if rank == 0:
-        write_profile(args.out, profile, measured)
-        say(f"wrote {args.out} ({profile.name}); plan with device_profile={args.out!r} or --device-profile {args.out}")
-    if owns_group:  # a caller's group (a test's, a notebook's) outlives the command
-        dist.destroy_process_group()
+    try:
+        profile, measured = calibrate(device, None, CalibrateOptions(fast=args.fast, name=args.name, mesh=mesh), say)
+        if rank == 0:
+            write_profile(args.out, profile, measured)
+            say(
+                f"wrote {args.out} ({profile.name}); plan with device_profile={args.out!r}"
+                f" or --device-profile {args.out}"
+            )
+    finally:
+        if owns_group:  # a caller's group (a test's, a notebook's) outlives the command
+            dist.destroy_process_group()
     return 0
 
 
@@ -201,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when there is one")
     c.add_argument("--fast", action="store_true", help="smaller sizes and fewer repeats (a second or two)")
     c.add_argument("--name", default=None, help="the profile's name (default: the device's)")
+    c.add_argument(
+        "--mesh",
+        default=None,
+        help="measure the collectives on each dim of this mesh of the ranks, e.g. 2x2 (default: one dim per link"
+        " class: hosts x ranks per host)",
+    )
     c.set_defaults(run=cmd_calibrate)
     s = sub.add_parser("show", parents=[common], help="print a saved plan's summary")
     s.add_argument("plan")

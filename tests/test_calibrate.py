@@ -18,10 +18,29 @@ from autoplan import AutoParallel
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.bench.validate import kendall_tau
 from autoplan.cli import main
-from autoplan.cost.calibrate import TIMED_SECONDS, CalibrateOptions, _calls_filling, calibrate, fit_kinds, fit_link
+from autoplan.cost.calibrate import (
+    TIMED_SECONDS,
+    CalibrateOptions,
+    GroupRows,
+    _calls_filling,
+    calibrate,
+    fit_groups,
+    fit_kinds,
+    fit_link,
+    group_report,
+    mesh_groups,
+)
 from autoplan.cost.costs import CostModel
-from autoplan.cost.devices import CPU_GLOO, dtype_name, profile_from_json, profile_to_json, resolve_profile, thinness
-from autoplan.cost.network import flat_collective_seconds
+from autoplan.cost.devices import (
+    CPU_GLOO,
+    LinkKind,
+    dtype_name,
+    profile_from_json,
+    profile_to_json,
+    resolve_profile,
+    thinness,
+)
+from autoplan.cost.network import GroupSpan, collective_seconds, flat_collective_seconds
 from autoplan.errors import ConstraintError
 
 R, P = Replicate(), Partial()
@@ -305,6 +324,99 @@ def test_each_kind_fits_its_own_link_and_is_priced_on_it():
     assert measured.redistribute_cost(*gather, m) == pytest.approx(plain.redistribute_cost(*gather, m))
     with pytest.raises(ValueError, match="collective_links"):
         dataclasses.replace(CPU_GLOO, collective_links=(("broadcast", 1e-5, 1e9),))
+
+
+def _ring_rows(n: int, latency: float, bandwidth: float) -> tuple:
+    """Rows a backend running the cost model's algorithms on a (latency, bandwidth) link would measure
+    over ``n`` ranks (the all-reduce as a ring)."""
+    return tuple(
+        (
+            kind,
+            n,
+            nbytes,
+            flat_collective_seconds(kind, n, nbytes, bandwidth, latency)
+            if kind != "all_reduce"
+            else 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth,
+        )
+        for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+        for nbytes in (2**12, 2**16, 2**20, 2**23)
+    )
+
+
+def test_each_mesh_dim_is_measured_on_its_own_groups_and_fits_its_class_of_link():
+    # hosts of 2 ranks, a (2, 2) mesh: dim 0's groups span the hosts one rank on each, dim 1's
+    # stay inside a host, and the whole mesh has two ranks on each of two hosts
+    group = fake_mesh((4,)).get_group()
+    named = mesh_groups((2, 2), group, torch.device("cpu"), local=2)
+    spans = {name: span for name, _, span in named}
+    assert spans == {"mesh dim 0": GroupSpan(1, 2), "mesh dim 1": GroupSpan(2, 1), "whole mesh": GroupSpan(2, 2)}
+    assert [dist.get_world_size(g) for _, g, _ in named] == [2, 2, 4]
+    assert [(name, span.size) for name, _, span in mesh_groups((4, 1), group, torch.device("cpu"), 4)] == [
+        ("mesh dim 0", 4)
+    ]  # a dim of one rank moves nothing, and one dim is the whole mesh
+    with pytest.raises(ConstraintError, match=r"--mesh 3x2 takes 6 ranks; the process group has 4"):
+        mesh_groups((3, 2), group, torch.device("cpu"), 2)
+
+    # what each class of link measured is what its fit recovers; the group on both links fits neither
+    network, nvlink = (70e-6, 3e9), (8e-6, 200e9)
+    groups = [
+        GroupRows("mesh dim 0", spans["mesh dim 0"], _ring_rows(2, *network)),
+        GroupRows("mesh dim 1", spans["mesh dim 1"], _ring_rows(2, *nvlink)),
+        GroupRows("whole mesh", spans["whole mesh"], _ring_rows(4, 1.0, 1e3)),
+    ]
+    assert [g.link for g in groups] == [LinkKind.INTER_NODE, LinkKind.INTRA_NODE, None]
+    base = dataclasses.replace(CPU_GLOO, gpus_per_node=2, bandwidth_efficiency=1.0)
+    profile = fit_groups(base, groups)
+    assert (profile.inter_node_latency, profile.inter_node_bandwidth) == pytest.approx(network, rel=1e-6)
+    assert (profile.intra_node_latency, profile.intra_node_bandwidth) == pytest.approx(nvlink, rel=1e-6)
+    assert len(profile.collective_links) == 4  # inside a node, each kind fits its own rows
+    for _, lat, bw in profile.collective_links:
+        assert (lat, bw) == pytest.approx(nvlink, rel=1e-6)
+    reports = [group_report(profile, g) for g in groups]
+    assert [r["link"] for r in reports] == ["network", "nvlink", "both"]
+    assert reports[0]["priced_median_error"] < 1e-6 and reports[1]["priced_median_error"] < 1e-6
+    assert reports[2]["priced_median_error"] > 0.9  # a second per step against the profile's microseconds
+    # the cost model prices a collective over a dim with that dim's class of link
+    assert collective_seconds("all_gather", spans["mesh dim 0"], 2**20, profile) == pytest.approx(
+        flat_collective_seconds("all_gather", 2, 2**20, network[1], network[0])
+    )
+    # only a class measured changes: a single host's groups leave the network's figures alone
+    one_host = fit_groups(base, groups[1:2])
+    assert (one_host.inter_node_latency, one_host.inter_node_bandwidth) == (
+        base.inter_node_latency,
+        base.inter_node_bandwidth,
+    )
+
+
+def test_calibrate_refuses_a_mesh_that_does_not_cover_the_ranks_before_measuring(tmp_path):
+    fake_mesh((4,))
+    started = time.perf_counter()
+    with pytest.raises(SystemExit, match=r"calibrate --mesh 3x5 takes 15 ranks; the process group has 128"):
+        main(["calibrate", "--fast", "--device", "cpu", "--mesh", "3x5", "--out", str(tmp_path / "p.json")])
+    assert time.perf_counter() - started < 1.0 and not (tmp_path / "p.json").exists()
+    with pytest.raises(SystemExit, match=r"--mesh: a mesh is sizes joined by 'x'"):
+        main(["calibrate", "--mesh", "2y2", "--out", str(tmp_path / "p.json")])
+
+
+def _calibrate_mesh_rank(rank: int):
+    torch.set_num_threads(1)
+    profile, measured = calibrate("cpu", opts=CalibrateOptions(fast=True, dtypes=(torch.float32,), mesh=(2, 2)))
+    return profile, measured["groups"], len(measured["collectives"])
+
+
+@pytest.mark.slow  # ~30 s: four gloo processes calibrating on a (2, 2) mesh
+def test_calibration_on_a_2x2_mesh_measures_each_dim_and_the_whole_mesh():
+    (profile, groups, rows), *_ = run_gloo(_calibrate_mesh_rank, 4)
+    assert [(g["name"], g["ranks"], g["link"], len(g["rows"])) for g in groups] == [
+        ("mesh dim 0", 2, "nvlink", 12),
+        ("mesh dim 1", 2, "nvlink", 12),
+        ("whole mesh", 4, "nvlink", 12),
+    ]
+    assert rows == 36 and all(math.isfinite(g["priced_median_error"]) for g in groups)
+    # one host: every group fits the link inside a node, and the profile's is their joint fit
+    joint = fit_link([tuple(r) for g in groups for r in g["rows"]])
+    assert (profile.intra_node_latency, profile.intra_node_bandwidth) == pytest.approx(joint)
+    assert (profile.inter_node_latency, profile.inter_node_bandwidth) != joint
 
 
 def _calibrate_rank(rank: int):

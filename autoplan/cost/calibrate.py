@@ -16,12 +16,17 @@ at hand. ``calibrate`` times this host's device instead:
 - a one-element op: the launch and dispatch floor every kernel pays;
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
   all-to-all at several sizes on the real backend (on gloo each after a burst of compute, as a
-  training step issues them), fitted to the cost model's own alpha-beta formulas
-  (``network.flat_collective_seconds``) as one latency and one bandwidth for the link, and each
-  kind's own latency and bandwidth, where the backend runs it otherwise than the model
-  (``collective_links``: gloo's reduce-scatter reduces the whole tensor, no ring), and how much of
-  an all-reduce's time runs under a matmul loop it is issued beside (``comm_overlap``), and how
-  long a collective after a layer's compute waits for the last rank (``rank_skew``).
+  training step issues them), on the groups of every dim of a mesh (``CalibrateOptions.mesh``;
+  by default one dim per link class: the hosts, and the ranks of one host) and on the whole
+  mesh. Each group sits on one class of link, NVLink inside a node or the network with one rank
+  per node (``network.MeshTopology``), and the rows of each class are fitted to the cost model's
+  own alpha-beta formulas (``network.flat_collective_seconds``) as one latency and one bandwidth
+  for the link, and inside a node each kind's own latency and bandwidth, where the backend runs
+  it otherwise than the model (``collective_links``: gloo's reduce-scatter reduces the whole
+  tensor, no ring). Every group's own fit, and how far the profile prices its rows, are reported.
+  Then how much of an all-reduce's time runs under a matmul loop it is issued beside
+  (``comm_overlap``), and how long a collective after a layer's compute waits for the last rank
+  (``rank_skew``).
 Dtypes not measured keep their datasheet rate scaled like the first measured one; links not measured
 keep theirs.
 
@@ -32,6 +37,8 @@ Every rank measures; rank 0's numbers are written (``devices.profile_to_json``) 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import statistics
 import time
 import warnings
@@ -43,9 +50,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autoplan.cost.devices import CPU_GLOO, H100_SXM, DeviceProfile, dtype_name, profile_to_json, thinness
+from autoplan.cost.devices import CPU_GLOO, H100_SXM, DeviceProfile, LinkKind, dtype_name, profile_to_json, thinness
 from autoplan.cost.flops import sdpa_flops
-from autoplan.cost.network import CollectiveKind, flat_collective_seconds
+from autoplan.cost.network import CollectiveKind, GroupSpan, MeshTopology, collective_seconds, flat_collective_seconds
+from autoplan.errors import ConstraintError
 
 COLLECTIVES: tuple[CollectiveKind, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -57,6 +65,9 @@ class CalibrateOptions:
     fast: bool = False
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     name: str | None = None  # the profile's name; default from the device
+    # The mesh whose dims' groups the collectives are measured on, covering the process group; by
+    # default (hosts, ranks per host) across hosts and one dim on one host (``default_mesh``).
+    mesh: tuple[int, ...] | None = None
     # The longest one kernel call may take: a dtype's larger sizes past the first that takes longer
     # are left out (a CPU without native bf16 runs a 2048-cube bf16 matmul for ~20 s, and would
     # take minutes over the table), and its curve ends at the last size measured.
@@ -319,6 +330,98 @@ def measure_collectives(
     return rows
 
 
+@dataclass(frozen=True)
+class GroupRows:
+    """One measured process group: its name, how it sits on nodes, and its ``measure_collectives`` rows."""
+
+    name: str
+    span: GroupSpan
+    rows: tuple[tuple[str, int, int, float], ...]
+
+    @property
+    def link(self) -> LinkKind | None:
+        """The class of link its rows fit: NVLink inside one node, the network with one rank on each
+        node; None for a group with several ranks on each of several nodes, which runs on both at once
+        (reported, fitted to neither)."""
+        if self.span.nodes == 1:
+            return LinkKind.INTRA_NODE
+        return LinkKind.INTER_NODE if self.span.per_node == 1 else None
+
+
+def ranks_per_host(world: int) -> int:
+    """The ranks on this host: torchrun's ``LOCAL_WORLD_SIZE``, else all of them (one host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 1 or world % local:
+        raise ConstraintError(f"calibrate: {world} ranks do not split into hosts of LOCAL_WORLD_SIZE={local}")
+    return local
+
+
+def default_mesh(world: int, local: int) -> tuple[int, ...]:
+    """One mesh dim per class of link: (hosts, ranks per host) across hosts, one dim on one host."""
+    return (world // local, local) if local < world else (world,)
+
+
+def check_mesh(shape: tuple[int, ...], world: int) -> None:
+    """Refuse a mesh that does not cover the ``world`` ranks, naming both."""
+    if math.prod(shape) != world:
+        joined = "x".join(map(str, shape))
+        raise ConstraintError(
+            f"calibrate --mesh {joined} takes {math.prod(shape)} ranks; the process group has {world}"
+            " (start that many with torchrun --nproc-per-node, or give a mesh of this many)"
+        )
+
+
+def mesh_groups(shape: tuple[int, ...], group, device: torch.device, local: int) -> list[tuple[str, object, GroupSpan]]:
+    """(name, this rank's process group, its span) of each dim of a ``shape`` mesh over ``group``'s
+    ranks, and of the whole mesh when it has several dims (the group of a fused all-gather)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    check_mesh(shape, len(ranks))
+    mesh = DeviceMesh(device.type, torch.tensor(ranks).reshape(shape))
+    topology = MeshTopology.from_mesh(mesh, local)
+    dims = [(f"mesh dim {d}", mesh.get_group(d), topology.spans[d]) for d in range(len(shape)) if shape[d] > 1]
+    if len(dims) > 1:
+        dims.append(("whole mesh", group or dist.group.WORLD, topology.flat))
+    return dims
+
+
+def fit_groups(profile: DeviceProfile, groups: list[GroupRows]) -> DeviceProfile:
+    """``profile`` with the links ``groups`` measured: NVLink's latency, bandwidth and per-kind
+    figures from every group inside one node, the network's from every group with one rank per
+    node; a class no group measured keeps its figures."""
+    rows = {link: [r for g in groups if g.link is link for r in g.rows] for link in LinkKind}
+    if rows[LinkKind.INTRA_NODE]:
+        latency, bandwidth = fit_link(rows[LinkKind.INTRA_NODE])
+        profile = dataclasses.replace(
+            profile,
+            intra_node_latency=latency,
+            intra_node_bandwidth=bandwidth,
+            collective_links=fit_kinds(rows[LinkKind.INTRA_NODE]),
+        )
+    if rows[LinkKind.INTER_NODE]:
+        latency, bandwidth = fit_link(rows[LinkKind.INTER_NODE])
+        profile = dataclasses.replace(profile, inter_node_latency=latency, inter_node_bandwidth=bandwidth)
+    return profile
+
+
+def group_report(profile: DeviceProfile, group: GroupRows) -> dict:
+    """What ``group`` measured, its own link fit, and how far ``profile`` prices its rows (the median
+    of |priced - measured| / measured): a dim whose links differ from its class's shows here."""
+    latency, bandwidth = fit_link(group.rows)
+    errors = [abs(collective_seconds(k, group.span, b, profile) - s) / s for k, _, b, s in group.rows]
+    return {
+        "name": group.name,
+        "ranks": group.span.size,
+        "nodes": group.span.nodes,
+        "link": group.link.value if group.link else "both",
+        "rows": group.rows,
+        "latency_s": latency,
+        "bandwidth_bytes_per_s": bandwidth,
+        "priced_median_error": statistics.median(errors),
+    }
+
+
 def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Callable[[str], None]) -> float:
     """The fraction of an all-reduce's time that runs under a matmul loop longer than it, when the
     all-reduce is issued asynchronously beside the loop: what ``DeviceProfile.comm_overlap`` means
@@ -486,6 +589,10 @@ def calibrate(
     the built-in ones (there is nothing to measure them on)."""
     opts = opts or CalibrateOptions()
     device = torch.device(device)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    local = ranks_per_host(world)
+    shape = opts.mesh or default_mesh(world, local)
+    check_mesh(shape, world)  # before measuring anything
     base = CPU_GLOO if device.type == "cpu" else H100_SXM
     dtypes = tuple(d for d in opts.dtypes if device.type == "cuda" or d in (torch.float32, torch.bfloat16))
     opts = dataclasses.replace(opts, dtypes=dtypes)
@@ -521,34 +628,51 @@ def calibrate(
         "elementwise_bytes_per_s": bandwidth,
         "launch_s": launch,
     }
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1 and dist.get_backend(group) != "fake":  # a planning host's fake group moves nothing
         burst = collective_burst(group, device, opts)
-        rows = measure_collectives(group, device, opts, say, burst)
-        latency, link = fit_link(rows)
-        kinds = fit_kinds(rows)
-        say(f"link fit: latency {latency * 1e6:.1f} us, bandwidth {link / 1e9:.2f} GB/s; per kind:")
-        for kind, lat, bw in kinds:
-            say(f"  {kind}: latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s")
+        groups = [
+            GroupRows(
+                name, span, tuple(measure_collectives(g, device, opts, lambda line, n=name: say(f"{n}: {line}"), burst))
+            )
+            for name, g, span in mesh_groups(shape, group, device, local)
+        ]
         overlap = measure_overlap(group, device, opts, say)
         skew = measure_skew(group, device, opts, say, burst)
-        profile = dataclasses.replace(
-            profile,
-            intra_node_latency=latency,
-            intra_node_bandwidth=link,
-            gpus_per_node=max(world, profile.gpus_per_node) if device.type == "cpu" else profile.gpus_per_node,
-            nvls=False,
-            comm_overlap=overlap,
-            collective_links=kinds,
-            rank_skew=skew,
+        if local < world:
+            per_node = local  # the hosts' ranks, as collective_seconds places groups
+        else:
+            per_node = max(world, profile.gpus_per_node) if device.type == "cpu" else profile.gpus_per_node
+        profile = fit_groups(
+            dataclasses.replace(profile, gpus_per_node=per_node, nvls=False, comm_overlap=overlap, rank_skew=skew),
+            groups,
         )
-        measured["collectives"] = rows
+        say(
+            f"links: inside a node latency {profile.intra_node_latency * 1e6:.1f} us, bandwidth"
+            f" {profile.intra_node_bandwidth / 1e9:.2f} GB/s; across nodes latency"
+            f" {profile.inter_node_latency * 1e6:.1f} us, bandwidth {profile.inter_node_bandwidth / 1e9:.2f} GB/s;"
+            " per kind inside a node:"
+        )
+        for kind, lat, bw in profile.collective_links:
+            say(f"  {kind}: latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s")
+        reports = [group_report(profile, g) for g in groups]
+        for r in reports:
+            say(
+                f"{r['name']} ({r['ranks']} ranks on {r['nodes']} node(s), {r['link']}): its own fit latency"
+                f" {r['latency_s'] * 1e6:.1f} us, bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; the profile"
+                f" prices its collectives within a median {r['priced_median_error']:.0%}"
+            )
+        measured["collectives"] = [row for g in groups for row in g.rows]
+        measured["groups"] = reports
         measured["comm_overlap"] = overlap
         measured["rank_skew"] = skew
         measured["link_fit"] = {
-            "latency_s": latency,
-            "bandwidth_bytes_per_s": link,
-            "per_kind": {kind: {"latency_s": lat, "bandwidth_bytes_per_s": bw} for kind, lat, bw in kinds},
+            "latency_s": profile.intra_node_latency,
+            "bandwidth_bytes_per_s": profile.intra_node_bandwidth,
+            "inter_node_latency_s": profile.inter_node_latency,
+            "inter_node_bandwidth_bytes_per_s": profile.inter_node_bandwidth,
+            "per_kind": {
+                kind: {"latency_s": lat, "bandwidth_bytes_per_s": bw} for kind, lat, bw in profile.collective_links
+            },
         }
     return profile, measured
 
