@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoplan import AutoParallel
 from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.lower.lowering import count_collectives
+from autoplan.lower.passes.reinplace import reinplace_all_reduces
 
 R, S0 = Replicate(), Shard(0)
 c10d = torch.ops._c10d_functional
@@ -245,7 +246,8 @@ def test_weights_are_gathered_before_their_transpose_with_no_relayout_copy():
 def test_gradient_all_reduces_are_waited_for_where_read_and_keep_the_numerics():
     """DDP on 8 simulated ranks: each weight's gradient is all-reduced as the backward produces it.
     Its wait moves to just before its first reader (or the end of its layer's stretch), so the rank
-    computes on while the reduction runs, and three AdamW steps still match one device."""
+    computes on while the reduction runs; the eager program reduces it in place, with no copy on
+    the computing thread; and three AdamW steps still match one device."""
     from parallel_run import check_run, graph_report, one_value, parallel_run, plan_and_apply, reference_run
     from torch.distributed._local_tensor import LocalTensorMode
 
@@ -263,6 +265,22 @@ def test_gradient_all_reduces_are_waited_for_where_read_and_keep_the_numerics():
     overlapped = [w for r, w in zip(reduces, waits) if at[w] > at[r] + 1]
     assert lowered.waits.sunk == len(overlapped) and len(overlapped) >= len(reduces) // 2
     assert plan.passes["all_reduce_waits_sunk"] == lowered.waits.sunk
+    # a gradient the backward produces last in its layer still runs under the next layer's
+    # backward: each of the seven weights and two norms of layers.1 (the backward's first of two
+    # layers) has a matmul after its reduction before its wait, some in layers.0's stretch
+    from autoplan.lower.lowering import REGION_KEY
+
+    mms = [at[n] for n in backward if n.target is torch.ops.aten.mm.default]
+    handed = [(r, w) for r, w in zip(reduces, waits) if r.meta[REGION_KEY].startswith("layers.1")]
+    assert len(handed) == 9 and all(any(at[r] < m < at[w] for m in mms) for r, w in handed)
+    assert any(w.meta[REGION_KEY] != r.meta[REGION_KEY] for r, w in handed)
+    # the eager program reduces each weight's gradient in its own buffer (nothing else reads it);
+    # the lowered graph, which compiled regions and counts read, keeps the functional all-reduce
+    eager, in_place = reinplace_all_reduces(lowered.backward)
+    mutating = [n for n in eager.graph.nodes if n.target is c10d.all_reduce_.default]
+    assert in_place == len(mutating) == len(reduces)
+    assert all(len(n.args[0].users) == 1 and n.args[0].op == "call_function" for n in mutating)
+    assert sum(n.target is c10d.all_reduce.default for n in lowered.backward.graph.nodes) == len(reduces)
     with LocalTensorMode(8):
         r = parallel_run(mesh, pmod, ref, False, plain=one_value)
     check_run(r | {"ref_losses": ref.losses} | graph_report(plan, lowered))
@@ -325,3 +343,32 @@ def _feeds_matmul(gather) -> bool:
             seen.add(n)
             frontier.extend(n.users)
     return False
+
+
+def test_only_an_all_reduce_that_alone_reads_a_fresh_tensor_reduces_it_in_place():
+    """Reducing in place writes the input: a graph input, a value something else reads, or a view
+    of such a value must keep the functional (copying) all-reduce."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    for n, shape in ((a, (4, 4)), (b, (4, 4))):
+        n.meta["val"] = torch.empty(shape, device="meta")
+    group = "0"
+
+    def reduce(x):
+        return graph.call_function(
+            c10d.wait_tensor.default, (graph.call_function(c10d.all_reduce.default, (x, "sum", group)),)
+        )
+
+    alone = graph.call_function(aten.mm.default, (a, b))  # read by its all-reduce only: in place
+    shared = graph.call_function(aten.mm.default, (a, b))  # read again below: copied
+    viewed = graph.call_function(aten.view.default, (graph.call_function(aten.mm.default, (a, b)), [16]))
+    base = graph.call_function(aten.mm.default, (a, b))
+    view_of_shared = graph.call_function(aten.view.default, (base, [16]))  # its base is read again
+    outs = [reduce(alone), reduce(shared), reduce(viewed), reduce(a), reduce(view_of_shared)]
+    graph.output((*outs, graph.call_function(aten.add.Tensor, (shared, base))))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    eager, count = reinplace_all_reduces(gm)
+    reduced = [n.args[0].name for n in eager.graph.nodes if n.target is c10d.all_reduce_.default]
+    assert count == 2 and reduced == [alone.name, viewed.name]
+    assert sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes) == 5  # the original stays

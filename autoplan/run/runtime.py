@@ -33,6 +33,7 @@ from autoplan.adapters.modules import add_load_state_dict_pre_hook, clear_forwar
 from autoplan.cost.devices import dtype_name
 from autoplan.errors import ConstraintError, InputMismatchError
 from autoplan.lower.lowering import LoweredGraph
+from autoplan.lower.passes.reinplace import reduce_in_place
 from autoplan.plan import placements_str
 from autoplan.shard.strategies import Placements
 from autoplan.shard.uneven import is_uneven, local_shape_at
@@ -92,7 +93,7 @@ def make_executor(
     slot_of = {(k, t): i for i, (k, t) in enumerate(lowered.input_labels)}
     grad_slots = [slot_of[(kind.removeprefix("grad_"), t)] for kind, t in lowered.output_labels[lowered.n_outputs :]]
     tangents = {t for k, t in lowered.input_labels if k == "tangent"}
-    compile_graph = compile_graph or (lambda gm: gm)
+    compile_graph = compile_graph or reduce_in_place  # Inductor reinplaces what it compiles itself
     return Executor(
         forward=compile_graph(lowered.forward),
         backward=boxed(compile_graph(lowered.backward)),

@@ -6,14 +6,18 @@ parameter's gradient (DDP, or a norm's weight in tensor parallelism) is all-redu
 the backward produces it and read only when the step returns: with the wait at once, the rank sits
 out every reduction, while the backend could run it beside the compute that follows (NCCL on its
 own stream, gloo on its worker thread). This pass moves each all-reduce's wait down to just before
-its first reader, which is what the overlap model (``cost.overlap``) assumes of gradient reductions.
+its first reader, and no further than the end of the stretch of nodes after its own (a stretch is
+a layer instance, ``REGION_KEY``, in one phase): a gradient the backward produces late in a layer
+still has the next layer's whole backward to run under, as the overlap model (``cost.overlap``)
+prices it, while the reductions in flight stay a layer's worth.
 
-The wait stays inside the stretch of nodes of its own layer instance (``REGION_KEY``) and phase,
-so regional compilation still cuts the graph where it did and a compiled region never hands an
-unfinished collective to another. Only all-reduces move: the functional all-reduce reduces a copy
-of its input, so delaying its wait holds no memory the plan did not count (its result is alive
-anyway). A reduce-scatter or all-to-all keeps its larger input alive until waited; bounding those in
-flight belongs with bucketing them.
+A wait that lands in the next stretch takes that stretch's tag, so regional compilation cuts the
+graph where it did: the layer's compiled region hands its un-waited reductions to the next one, as
+a prefetched gather is handed. Only all-reduces move: the functional all-reduce reduces a copy of
+its input (or, run eagerly, the input it alone reads, ``passes.reinplace``), so delaying its wait
+holds no memory the plan did not count (its result is alive anyway). A reduce-scatter or
+all-to-all keeps its larger input alive until waited; bounding those in flight belongs with
+bucketing them.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ class WaitStats:
 
 
 def sink_all_reduce_waits(graph: fx.Graph, region_key: str) -> WaitStats:
-    """Move each all-reduce's wait to just before its first reader, no further than the last node
-    of the same ``region_key`` value and phase that directly follows it."""
+    """Move each all-reduce's wait to just before its first reader, past the rest of its stretch
+    (``region_key`` value and phase) and at most the whole stretch that directly follows it."""
     sunk = 0
     for wait in list(graph.nodes):
         if wait.target is not c10d.wait_tensor.default:
@@ -41,15 +45,21 @@ def sink_all_reduce_waits(graph: fx.Graph, region_key: str) -> WaitStats:
         issued = wait.args[0]
         if not isinstance(issued, fx.Node) or issued.target is not c10d.all_reduce.default:
             continue
-        stretch = (wait.meta.get(region_key), wait.meta.get(PHASE_KEY))
+        phase, own = wait.meta.get(PHASE_KEY), wait.meta.get(region_key)
         readers = set(wait.users)
-        last = wait
+        last, crossed = wait, False
         for n in _after(wait):
-            if n in readers or n.op != "call_function" or (n.meta.get(region_key), n.meta.get(PHASE_KEY)) != stretch:
+            if n in readers or n.op != "call_function" or n.meta.get(PHASE_KEY) != phase:
                 break
+            tag = n.meta.get(region_key)
+            if tag != own:
+                if crossed:
+                    break
+                crossed, own = True, tag
             last = n
         if last is not wait:
             last.append(wait)
+            wait.meta[region_key] = last.meta.get(region_key)
             sunk += 1
     return WaitStats(sunk)
 
