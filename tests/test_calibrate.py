@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.bench.validate import kendall_tau
+from autoplan.bench.validate import host_speed, kendall_tau, reference_probe
 from autoplan.cli import main
 from autoplan.cost.calibrate import (
     TIMED_SECONDS,
@@ -466,6 +466,21 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
             (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         )
     assert -1 <= result["kendall_tau"] <= 1
+    # the host's speed during the run, against the profile's: a compute re-priced at it
+    speed = result["host_speed"]
+    assert 0 < speed["min"] <= speed["median"] <= speed["max"] < math.inf
+    for r in result["plans"]:
+        compute = r["predicted_compute_ms"]
+        at_speed = r["predicted_ms"] - compute + compute / speed["median"]
+        assert r["error_at_host_speed"] == pytest.approx((at_speed - r["measured_ms"]) / r["measured_ms"])
+
+
+def test_host_speed_is_the_profiles_price_of_the_reference_matmul_over_its_time():
+    flops = 2.0 * 512**3
+    priced = flops / (CPU_GLOO.flops_for(torch.float32) * CPU_GLOO.efficiency_at(flops))
+    assert host_speed(CPU_GLOO, priced) == pytest.approx(1.0)
+    assert host_speed(CPU_GLOO, priced / 2) == pytest.approx(2.0)  # twice as fast as priced
+    assert reference_probe("cpu")() > 0
 
 
 @pytest.mark.slow  # ~55 s: twelve checks, each its own process

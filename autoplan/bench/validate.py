@@ -67,6 +67,37 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / math.sqrt(untied_a * untied_b)
 
 
+REFERENCE_SIDE = 512  # the square fp32 matmul the host's speed is read from: one calibrate times
+
+
+def reference_probe(device: str) -> Callable[[], float]:
+    """Seconds one (``REFERENCE_SIDE``)^3 fp32 matmul takes on this host now (the mean of a few
+    calls): timed between the plans' steps, it shows how far the host's speed moved from the
+    profile's (``host_speed``)."""
+    a = torch.randn(REFERENCE_SIDE, REFERENCE_SIDE, device=device)
+    calls = 4
+
+    def timed() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(a, a)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls
+
+    return timed
+
+
+def host_speed(profile, seconds: float) -> float:
+    """How many times faster than ``profile`` prices it the reference matmul ran (``seconds``):
+    above 1 the host computes faster now than when it was calibrated."""
+    flops = 2.0 * REFERENCE_SIDE**3
+    priced = flops / (profile.flops_for(torch.float32) * profile.efficiency_at(flops, torch.float32))
+    return priced / seconds
+
+
 def _model(args: argparse.Namespace, ndim: int, dp: int) -> tuple[Callable, Callable]:
     """(a builder of the model on the meta device, ``input_fn``) for a named model or a factory."""
     if ":" in args.model:
@@ -180,22 +211,29 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
             except AutoplanError as e:  # a hand plan the shapes cannot take: reported, not fatal
                 refused[name] = str(e).splitlines()[0]
     local = distribute_tensor(input_fn().to(device), mesh, io).to_local()
+    probe, probed = reference_probe(device), []
     for run in runs:  # warm-up: first calls allocate and build caches
         for free in (False, True):
             _step(run, local, device, free)
     for k in range(args.steps):
         order = runs[k % len(runs) :] + runs[: k % len(runs)]  # each plan goes first in turn
+        probed.append(probe())
         for run in order:
             run.steps.append(_step(run, local, device, False))
             run.free_steps.append(_step(run, local, device, True))
     peaks = [_measured_peak(run, local, device) for run in runs]
     times = torch.tensor(
-        [[*r.steps, *r.free_steps, p] for r, p in zip(runs, peaks)], dtype=torch.float64, device=device
+        [[*r.steps, *r.free_steps, p] for r, p in zip(runs, peaks)] + [[*probed, *probed, 0.0]],
+        dtype=torch.float64,
+        device=device,
     )
     # a step lasts as long as its slowest rank; the peak is the fullest rank's
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    *per_plan, (*reference, _) = times.tolist()
+    speeds = [host_speed(ap.device_profile, s) for s in reference[: args.steps]]
+    speed = statistics.median(speeds)
     rows = []
-    for run, t in zip(runs, times.tolist()):
+    for run, t in zip(runs, per_plan):
         c = run.plan.cost
         measured, compute = statistics.median(t[: args.steps]), statistics.median(t[args.steps : 2 * args.steps])
         predicted, predicted_compute = c.total, c.compute_forward + c.compute_backward
@@ -205,6 +243,10 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
                 "predicted_ms": predicted * 1e3,
                 "measured_ms": measured * 1e3,
                 "error": (predicted - measured) / measured,
+                # the compute re-priced at the speed the host showed during the run: what is left
+                # of the error when the host's drift since calibration is taken out
+                "error_at_host_speed": (predicted - predicted_compute + predicted_compute / speed - measured)
+                / measured,
                 "predicted_compute_ms": predicted_compute * 1e3,
                 "measured_compute_ms": compute * 1e3,
                 "predicted_comm_ms": c.comm * 1e3,
@@ -225,6 +267,7 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
         "plans": rows,
         "refused": refused,
         "kendall_tau": tau,
+        "host_speed": {"median": speed, "min": min(speeds), "max": max(speeds)},
     }
     if rank != 0:
         return None
@@ -234,11 +277,12 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
 
 def _print(result: dict) -> None:
     print(f"{result['model']} on mesh {result['mesh']} ({result['device']}), priced for {result['profile']}")
-    print(f"{'plan':<9} {'predicted':>10} {'measured':>10} {'error':>7}", end="")
+    print(f"{'plan':<9} {'predicted':>10} {'measured':>10} {'error':>7} {'at host speed':>13}", end="")
     print(f"   {'compute pred/meas':>19}   {'comm pred/meas':>17}   {'peak est/meas':>19}")
     for r in result["plans"]:
         print(
             f"{r['plan']:<9} {r['predicted_ms']:>8.2f}ms {r['measured_ms']:>8.2f}ms {r['error']:>+7.0%}"
+            f" {r['error_at_host_speed']:>+13.0%}"
             f"   {r['predicted_compute_ms']:>8.2f}/{r['measured_compute_ms']:<8.2f}ms"
             f"   {r['predicted_exposed_comm_ms']:>7.2f}/{r['measured_comm_ms']:<7.2f}ms"
             f"   {r['estimated_peak_mib']:>8.1f}/{r['measured_peak_mib']:<8.1f}MiB"
@@ -246,6 +290,12 @@ def _print(result: dict) -> None:
     for name, why in result["refused"].items():
         print(f"{name:<9} not run: {why}")
     print(f"rank agreement of predicted and measured order: Kendall tau {result['kendall_tau']:+.2f}")
+    speed = result["host_speed"]
+    print(
+        f"host speed: a {REFERENCE_SIDE}^3 fp32 matmul ran {speed['median']:.2f}x as fast as the profile prices it"
+        f" (median over rounds; {speed['min']:.2f}x to {speed['max']:.2f}x); 'at host speed' re-prices the"
+        " compute at that speed"
+    )
 
 
 def add_parser(sub) -> None:
