@@ -8,7 +8,9 @@ program issues ahead of their reader, or waits for after other work, run beside 
   gathers a layer ahead (``AutoParallel(prefetch=True)``, ``lower.passes.prefetch``, as FSDP does on
   a second stream). Without prefetch the lowering issues it right before its reader, which waits.
 - A parameter's gradient, once produced, moves into its parameter's placement while the backward
-  goes on. An all-reduce's wait is where the result is read (``lower.passes.wait_sinking``). A
+  goes on. An all-reduce's wait is where the result is read, or at the end of the next layer's
+  stretch (``lower.passes.wait_sinking``): it hides under the rest of its producer's segment and
+  the next, which its producer's whole segment stands for. A
   reduce-scatter's wait still follows it at once, and is priced hidden all the same until it is
   sunk too: priced exposed, it steers plans to layouts whose memory the walk over-counts.
 - A parameter's gathered view is not kept for the backward: the lowering gathers it again there
