@@ -18,7 +18,7 @@ import operator
 
 import torch.fx as fx
 
-from autoplan.adapters.ops import OpOverload
+from autoplan.adapters.ops import OpOverload, schema
 from autoplan.lower.collectives import c10d
 from autoplan.shard.strategies import aliases_input
 
@@ -34,7 +34,7 @@ def _owns_storage(n: fx.Node) -> bool:
     op = n.target
     if not isinstance(op, OpOverload):
         return False
-    if aliases_input(n) or any(r.alias_info is not None for r in op._schema.returns):
+    if aliases_input(n) or any(r.alias_info is not None for r in schema(op).returns):
         src = n.args[0]
         return isinstance(src, fx.Node) and len(src.users) == 1 and _owns_storage(src)
     return True
