@@ -203,7 +203,7 @@ def check_output(command: str, out: str, cwd: Path) -> None:
     elif "calibrate" in words:  # autoplan calibrate, or under torchrun: a profile that loads, links fitted if N > 1
         out_file = words[words.index("--out") + 1] if "--out" in words else "profile.json"
         assert resolve_profile(str(cwd / out_file)).name.startswith("calibrated") and f"wrote {out_file}" in out
-        assert ("link fit" in out) == (words[0] == "torchrun")
+        assert ("links: inside a node" in out) == (words[0] == "torchrun")
     elif "validate" in words:
         assert re.search(r"^rank agreement of predicted and measured order: Kendall tau [+-]\d", out, re.M), out
     elif "--execute" in words:
