@@ -15,7 +15,8 @@ at hand. ``calibrate`` times this host's device instead:
 - a large elementwise product: the memory bandwidth that memory-bound ops stream at;
 - a one-element op: the launch and dispatch floor every kernel pays;
 - with a process group of more than one rank, all-gather, reduce-scatter, all-reduce and
-  all-to-all at several sizes on the real backend (on gloo each after a burst of compute, as a
+  all-to-all at several sizes up to a step's largest moves, on the real backend and through the
+  functional ops the lowered program issues (on gloo each after a burst of compute, as a
   training step issues them), on the groups of every dim of a mesh (``CalibrateOptions.mesh``;
   by default one dim per link class: the hosts, and the ranks of one host) and on the whole
   mesh. Each group sits on one class of link, NVLink inside a node or the network with one rank
@@ -41,7 +42,6 @@ import math
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +56,7 @@ from autoplan.cost.network import CollectiveKind, GroupSpan, MeshTopology, colle
 from autoplan.errors import ConstraintError
 
 COLLECTIVES: tuple[CollectiveKind, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,14 @@ class CalibrateOptions:
 
     @property
     def collective_bytes(self) -> tuple[int, ...]:
-        return (2**12, 2**16, 2**20) if self.fast else (2**12, 2**15, 2**18, 2**21, 2**23)
+        """Sizes of the full tensor each collective is timed at: up to a step's largest moves (a
+        LLaMA's logits, tens of MiB), which a fit of smaller ones would only extrapolate to."""
+        return (2**12, 2**16, 2**20) if self.fast else (2**12, 2**15, 2**18, 2**21, 2**23, 2**25)
+
+    @property
+    def overlap_bytes(self) -> int:
+        """The all-reduce ``measure_overlap`` issues beside compute: a layer's gradient."""
+        return 2**20 if self.fast else 2**23
 
     @property
     def stream_bytes(self) -> int:
@@ -245,18 +253,23 @@ def measure_memory(device: torch.device, opts: CalibrateOptions, say: Callable[[
 
 
 def _collective(kind: CollectiveKind, nbytes: int, group, device: torch.device) -> Callable[[], object]:
+    """One ``kind`` collective moving a full tensor of ``nbytes`` over ``group``, issued as the lowered
+    program issues it: c10d's functional op, which allocates its result on every call (on a CPU, in
+    freshly mapped pages for a large one), then its wait; an all-reduce in place, as the eager
+    program reduces what it alone reads (``lower.passes.reinplace``)."""
     n = dist.get_world_size(group)
-    numel = max(n, nbytes // 4 // n * n)  # the full logical tensor, a multiple of the group size
+    name = (group or dist.group.WORLD).group_name
+    numel = max(n * n, nbytes // 4 // (n * n) * (n * n))  # each rank's shard splits into n for an all-to-all
     full = torch.ones(numel, device=device)
     shard = torch.ones(numel // n, device=device)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+        return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, n, name))
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+        return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "sum", n, name))
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group)
-    out = torch.empty_like(shard)  # each rank sends its shard of the logical tensor, as the model prices it
-    return lambda: dist.all_to_all_single(out, shard, group=group)
+        return lambda: c10d.wait_tensor(c10d.all_reduce_(full, "sum", name))
+    splits = [numel // n // n] * n  # each rank sends its shard of the logical tensor, as the model prices it
+    return lambda: c10d.wait_tensor(c10d.all_to_all_single(shard, splits, splits, name))
 
 
 def _seconds_after(
@@ -318,15 +331,14 @@ def measure_collectives(
     2 cores: about a millisecond more per collective at every size)."""
     n = dist.get_world_size(group)
     rows = []
-    with warnings.catch_warnings():  # torch 2.13 renames the tensor collectives; older torch lacks the new names
-        warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
-        for kind in COLLECTIVES:
-            for nbytes in opts.collective_bytes:
-                fn = _collective(kind, nbytes, group, device)
-                dist.barrier(group=group)
-                s = _seconds_after(burst, fn, device, opts.repeats, inner=3)
-                rows.append((kind, n, nbytes, s))
-                say(f"{kind} over {n} ranks, {nbytes / 2**10:.0f} KiB: {s * 1e6:.0f} us")
+    for kind in COLLECTIVES:
+        for nbytes in opts.collective_bytes:
+            fn = _collective(kind, nbytes, group, device)
+            dist.barrier(group=group)
+            # a large one is timed once a repeat: it lasts tens of milliseconds on gloo
+            s = _seconds_after(burst, fn, device, opts.repeats, inner=3 if nbytes < 2**24 else 1)
+            rows.append((kind, n, nbytes, s))
+            say(f"{kind} over {n} ranks, {nbytes / 2**10:.0f} KiB: {s * 1e6:.0f} us")
     return rows
 
 
@@ -431,7 +443,7 @@ def measure_overlap(group, device: torch.device, opts: CalibrateOptions, say: Ca
     turn: the saving over the serial pair, over the all-reduce's own part of it, is that trial's
     fraction, and the median trial's is the profile's (the all-reduce after compute, not alone:
     timed back to back it runs faster, and would credit overlap that is not there)."""
-    buf = torch.ones(opts.collective_bytes[-1] // 4, device=device)
+    buf = torch.ones(opts.overlap_bytes // 4, device=device)
 
     def comm():
         dist.all_reduce(buf, group=group)
