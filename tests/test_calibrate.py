@@ -30,7 +30,7 @@ from autoplan.cost.calibrate import (
     group_report,
     mesh_groups,
 )
-from autoplan.cost.costs import CostModel
+from autoplan.cost.costs import CostModel, roofline_seconds
 from autoplan.cost.devices import (
     CPU_GLOO,
     LinkKind,
@@ -476,8 +476,7 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
 
 
 def test_host_speed_is_the_profiles_price_of_the_reference_matmul_over_its_time():
-    flops = 2.0 * 512**3
-    priced = flops / (CPU_GLOO.flops_for(torch.float32) * CPU_GLOO.efficiency_at(flops))
+    priced = roofline_seconds(2.0 * 512**3, 3 * 4 * 512**2, torch.float32, CPU_GLOO)  # the cost model's own price
     assert host_speed(CPU_GLOO, priced) == pytest.approx(1.0)
     assert host_speed(CPU_GLOO, priced / 2) == pytest.approx(2.0)  # twice as fast as priced
     assert reference_probe("cpu")() > 0

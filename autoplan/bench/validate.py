@@ -31,6 +31,7 @@ from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.handplans import hand_plan, hand_plans
 from autoplan.bench.steps import backward_step, kept_bytes
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
+from autoplan.cost.costs import roofline_seconds
 from autoplan.cost.memory import TORCH_ADAMW
 from autoplan.errors import AutoplanError
 from autoplan.run.group import join_group
@@ -93,9 +94,8 @@ def reference_probe(device: str) -> Callable[[], float]:
 def host_speed(profile, seconds: float) -> float:
     """How many times faster than ``profile`` prices it the reference matmul ran (``seconds``):
     above 1 the host computes faster now than when it was calibrated."""
-    flops = 2.0 * REFERENCE_SIDE**3
-    priced = flops / (profile.flops_for(torch.float32) * profile.efficiency_at(flops, torch.float32))
-    return priced / seconds
+    flops, nbytes = 2.0 * REFERENCE_SIDE**3, 3 * 4 * REFERENCE_SIDE**2
+    return roofline_seconds(flops, nbytes, torch.float32, profile) / seconds
 
 
 def _model(args: argparse.Namespace, ndim: int, dp: int) -> tuple[Callable, Callable]:
