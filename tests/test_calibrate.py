@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan import AutoParallel
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.bench.validate import host_speed, kendall_tau, reference_probe
+from autoplan.bench.validate import host_speed, kendall_tau, reference_probe, split_waits
 from autoplan.cli import main
 from autoplan.cost.calibrate import (
     TIMED_SECONDS,
@@ -473,6 +473,27 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
         compute = r["predicted_compute_ms"]
         at_speed = r["predicted_ms"] - compute + compute / speed["median"]
         assert r["error_at_host_speed"] == pytest.approx((at_speed - r["measured_ms"]) / r["measured_ms"])
+    # one profiled step's waits on collectives, split into their exposed time and the slowest rank's
+    skew = resolve_profile("cpu").rank_skew
+    for r in result["plans"]:
+        waits = r["waits"]
+        assert waits["collectives"] > 0 and waits["exposed_ms"] >= 0 and waits["straggler_ms"] >= 0
+        assert sum(x["calls"] for x in waits["largest"]) <= waits["collectives"]
+        assert r["predicted_straggler_ms"] == pytest.approx(r["predicted_compute_ms"] * skew / (1 + skew))
+
+
+def test_waits_split_into_each_collectives_exposed_time_and_the_wait_for_the_slowest_rank():
+    # rank 0 reached the first collective 3 ms before rank 1, rank 1 reached the second 3 ms early
+    rank0 = [("(4, 4)", 0.005), ("(8,)", 0.001), ("(8,)", 0.002)]
+    rank1 = [("(4, 4)", 0.002), ("(8,)", 0.004), ("(8,)", 0.002)]
+    split = split_waits([rank0, rank1], largest=1)
+    assert split["collectives"] == 3
+    assert split["exposed_ms"] == pytest.approx(2 + 1 + 2)  # the last rank to join waits only for the collective
+    assert split["straggler_ms"] == pytest.approx(1.5 + 1.5 + 0)  # the mean wait over that
+    assert split["largest"] == [{"shape": "(8,)", "calls": 2, "ms_per_call": pytest.approx(1.5)}]
+    # ranks that met different collectives pair up nothing
+    assert split_waits([rank0, rank1[:2]]) is None
+    assert split_waits([rank0, [("(4, 4)", 0.002), ("(9,)", 0.004), ("(8,)", 0.002)]]) is None
 
 
 def test_host_speed_is_the_profiles_price_of_the_reference_matmul_over_its_time():

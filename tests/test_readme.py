@@ -206,6 +206,7 @@ def check_output(command: str, out: str, cwd: Path) -> None:
         assert ("links: inside a node" in out) == (words[0] == "torchrun")
     elif "validate" in words:
         assert re.search(r"^rank agreement of predicted and measured order: Kendall tau [+-]\d", out, re.M), out
+        assert ("waits on collectives: exposed" in out) == (words[0] == "torchrun"), out  # gloo ranks
     elif "--execute" in words:
         assert "losses match single-device" in out
     elif words[0] == "torchrun":

@@ -131,3 +131,17 @@ def _event_peak(prof) -> int:
             live += e.nbytes()
             peak = max(peak, live)
     return peak
+
+
+_WAIT = "_c10d_functional::wait_tensor"
+
+
+def collective_waits(fn: Callable[[], None]) -> list[tuple[str, float]]:
+    """Each wait on a collective while ``fn`` runs, in the order the host met them: (the waited
+    tensor's shape, seconds the host was blocked in it). Where the backend blocks the host until
+    the collective is done (gloo), that is the collective's own time plus however long the rank
+    waited for the others to join; on CUDA the host only queues the wait, so it says nothing."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    waits = sorted((e for e in prof.events() if e.name == _WAIT), key=lambda e: e.time_range.start)
+    return [(str(tuple(e.input_shapes[0])) if e.input_shapes else "?", e.cpu_time_total / 1e6) for e in waits]

@@ -10,6 +10,13 @@ collectives made free (``collective_free``): what is left is the rank's own comp
 splits into compute (predicted compute against the collective-free step) and communication with
 overlap (the rest). A step is timed from its forward to the end of its backward, as plans are
 priced; the optimizer step runs outside the timing.
+
+Where a collective blocks the host (gloo), one more profiled step per plan splits the
+communication further (``split_waits``): each wait on a collective is what is left of the
+collective when the host reaches the wait (none of it, when compute between issue and wait hid
+it) plus however long that rank waited for the last one to join it. The last rank to join waits
+only for the first part, the collective's exposed time; the others' extra wait is what a step
+pays for its slowest rank, which the cost model prices as the profile's ``rank_skew``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,33 @@ class _Run:
     opt: torch.optim.Optimizer
     steps: list[float]
     free_steps: list[float]
+
+
+def split_waits(per_rank: list[list[tuple[str, float]]], largest: int = 3) -> dict | None:
+    """How one step's waits on collectives (``collective_waits`` of each rank, in order) split,
+    in ms: ``exposed``, the sum over collectives of the shortest rank's wait, the part of the
+    collective nothing hid (the last rank to join waits for nothing else); ``straggler``, the sum of the mean wait
+    less that, what the step paid for its slowest rank at each collective (a step held to its
+    slowest rank's segment, against the ranks' mean); and the ``largest`` collectives by exposed
+    time, by shape. None when the ranks met different collectives (then nothing pairs up)."""
+    counts = {len(w) for w in per_rank}
+    if len(counts) != 1 or any([s for s, _ in w] != [s for s, _ in per_rank[0]] for w in per_rank):
+        return None
+    exposed = straggler = 0.0
+    by_shape: dict[str, list[float]] = {}
+    for waits in zip(*per_rank):
+        times = [t for _, t in waits]
+        own = min(times)
+        exposed += own
+        straggler += statistics.fmean(times) - own
+        by_shape.setdefault(waits[0][0], []).append(own)
+    top = sorted(by_shape.items(), key=lambda kv: -sum(kv[1]))[:largest]
+    return {
+        "collectives": counts.pop(),
+        "exposed_ms": exposed * 1e3,
+        "straggler_ms": straggler * 1e3,
+        "largest": [{"shape": k, "calls": len(v), "ms_per_call": statistics.fmean(v) * 1e3} for k, v in top],
+    }
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -169,6 +203,17 @@ def _measured_peak(run: _Run, local: torch.Tensor, device: str) -> float:
     return float(kept_bytes([*run.pmod.parameters(), *run.pmod.buffers(), *states, local]) + rise)
 
 
+def _waits(run: _Run, local: torch.Tensor) -> list[tuple[str, float]]:
+    """This rank's waits on collectives over one real step of ``run`` (``collective_waits``)."""
+    from autoplan.adapters.profiling import collective_waits
+
+    run.opt.zero_grad()
+    dist.barrier()
+    waits = collective_waits(lambda: backward_step(run.pmod, local))
+    run.opt.zero_grad()
+    return waits
+
+
 def run_validate(args: argparse.Namespace) -> dict | None:
     """Plan, run and compare (see the module's docstring); rank 0 prints and returns the numbers
     (written by ``--json``), the other ranks ``None``. A process group this call makes is torn down
@@ -222,6 +267,12 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
             run.steps.append(_step(run, local, device, False))
             run.free_steps.append(_step(run, local, device, True))
     peaks = [_measured_peak(run, local, device) for run in runs]
+    splits: list[dict | None] = [None] * len(runs)
+    if device == "cpu" and world > 1:  # gloo blocks the host in a wait; NCCL only queues it
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, [_waits(run, local) for run in runs])
+        splits = [split_waits([g[i] for g in gathered]) for i in range(len(runs))]
+    skew = ap.device_profile.rank_skew if world > 1 else 0.0
     times = torch.tensor(
         [[*r.steps, *r.free_steps, p] for r, p in zip(runs, peaks)] + [[*probed, *probed, 0.0]],
         dtype=torch.float64,
@@ -233,7 +284,7 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
     speeds = [host_speed(ap.device_profile, s) for s in reference[: args.steps]]
     speed = statistics.median(speeds)
     rows = []
-    for run, t in zip(runs, per_plan):
+    for run, t, waits in zip(runs, per_plan, splits):
         c = run.plan.cost
         measured, compute = statistics.median(t[: args.steps]), statistics.median(t[args.steps : 2 * args.steps])
         predicted, predicted_compute = c.total, c.compute_forward + c.compute_backward
@@ -252,6 +303,10 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
                 "predicted_comm_ms": c.comm * 1e3,
                 "predicted_exposed_comm_ms": c.exposed_comm * 1e3,
                 "measured_comm_ms": max(measured - compute, 0.0) * 1e3,
+                # what the predicted compute holds for waiting on the slowest rank, beside
+                # what one profiled step's waits show (``split_waits``)
+                "predicted_straggler_ms": predicted_compute * skew / (1 + skew) * 1e3,
+                "waits": waits,
                 "steps_ms": [x * 1e3 for x in t[: args.steps]],
                 "estimated_peak_mib": run.plan.memory.peak_bytes / 2**20,
                 "measured_peak_mib": t[-1] / 2**20,
@@ -286,6 +341,16 @@ def _print(result: dict) -> None:
             f"   {r['predicted_compute_ms']:>8.2f}/{r['measured_compute_ms']:<8.2f}ms"
             f"   {r['predicted_exposed_comm_ms']:>7.2f}/{r['measured_comm_ms']:<7.2f}ms"
             f"   {r['estimated_peak_mib']:>8.1f}/{r['measured_peak_mib']:<8.1f}MiB"
+        )
+    for r in result["plans"]:
+        w = r["waits"]
+        if w is None:
+            continue
+        largest = ", ".join(f"{x['shape']} {x['calls']}x {x['ms_per_call']:.1f}ms" for x in w["largest"])
+        print(
+            f"{r['plan']:<9} {w['collectives']} waits on collectives: exposed {w['exposed_ms']:.1f}ms,"
+            f" waiting for the slowest rank {w['straggler_ms']:.1f}ms (priced {r['predicted_straggler_ms']:.1f}ms"
+            f" as rank skew); most exposed: {largest or 'none'}"
         )
     for name, why in result["refused"].items():
         print(f"{name:<9} not run: {why}")
