@@ -107,7 +107,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from autoplan.bench.workloads import parse_mesh
-    from autoplan.cost.calibrate import CalibrateOptions, calibrate, write_profile
+    from autoplan.cost.calibrate import calibrate, write_profile
+    from autoplan.cost.measure import CalibrateOptions
     from autoplan.run.group import join_group
 
     try:

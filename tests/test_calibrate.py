@@ -18,18 +18,7 @@ from autoplan import AutoParallel
 from autoplan.adapters.dtensor import tensor_meta
 from autoplan.bench.validate import host_speed, kendall_tau, reference_probe, split_waits
 from autoplan.cli import main
-from autoplan.cost.calibrate import (
-    TIMED_SECONDS,
-    CalibrateOptions,
-    GroupRows,
-    _calls_filling,
-    calibrate,
-    fit_groups,
-    fit_kinds,
-    fit_link,
-    group_report,
-    mesh_groups,
-)
+from autoplan.cost.calibrate import calibrate
 from autoplan.cost.costs import CostModel, roofline_seconds
 from autoplan.cost.devices import (
     CPU_GLOO,
@@ -40,6 +29,8 @@ from autoplan.cost.devices import (
     resolve_profile,
     thinness,
 )
+from autoplan.cost.links import GroupRows, fit_groups, fit_kinds, fit_link, group_report, mesh_groups
+from autoplan.cost.measure import TIMED_SECONDS, CalibrateOptions, calls_filling
 from autoplan.cost.network import GroupSpan, collective_seconds, flat_collective_seconds
 from autoplan.errors import ConstraintError
 
@@ -107,10 +98,10 @@ def test_a_kernel_is_timed_over_as_many_calls_as_fill_the_timing_not_as_its_flop
     by FLOPs ran it 1.5 million times and took the H200's calibration past its 90 s limit. The
     count comes from the time one call takes."""
     slow = lambda: time.sleep(0.01)
-    assert _calls_filling(slow, torch.device("cpu"), TIMED_SECONDS) == 1
+    assert calls_filling(slow, torch.device("cpu"), TIMED_SECONDS) == 1
     calls = []
     fast = lambda: calls.append(time.perf_counter())
-    n = _calls_filling(fast, torch.device("cpu"), TIMED_SECONDS)
+    n = calls_filling(fast, torch.device("cpu"), TIMED_SECONDS)
     assert 10 < n < 10**7  # a list append takes well under a microsecond (more, if the host is busy)
     t0 = time.perf_counter()
     for _ in range(n):
@@ -478,6 +469,7 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
     for r in result["plans"]:
         waits = r["waits"]
         assert waits["collectives"] > 0 and waits["exposed_ms"] >= 0 and waits["straggler_ms"] >= 0
+        assert waits["exposed_ms"] + waits["straggler_ms"] < waits["step_ms"]  # waits are part of the step
         assert sum(x["calls"] for x in waits["largest"]) <= waits["collectives"]
         assert r["predicted_straggler_ms"] == pytest.approx(r["predicted_compute_ms"] * skew / (1 + skew))
 

@@ -203,15 +203,19 @@ def _measured_peak(run: _Run, local: torch.Tensor, device: str) -> float:
     return float(kept_bytes([*run.pmod.parameters(), *run.pmod.buffers(), *states, local]) + rise)
 
 
-def _waits(run: _Run, local: torch.Tensor) -> list[tuple[str, float]]:
-    """This rank's waits on collectives over one real step of ``run`` (``collective_waits``)."""
+def _waits(run: _Run, local: torch.Tensor) -> tuple[float, list[tuple[str, float]]]:
+    """(seconds, this rank's waits on collectives) of one real step of ``run`` under the profiler
+    (``collective_waits``): the profiler slows a step, so its length says how far it stands from
+    the timed ones."""
     from autoplan.adapters.profiling import collective_waits
 
     run.opt.zero_grad()
     dist.barrier()
+    t0 = time.perf_counter()
     waits = collective_waits(lambda: backward_step(run.pmod, local))
+    seconds = time.perf_counter() - t0
     run.opt.zero_grad()
-    return waits
+    return seconds, waits
 
 
 def run_validate(args: argparse.Namespace) -> dict | None:
@@ -271,7 +275,10 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
     if device == "cpu" and world > 1:  # gloo blocks the host in a wait; NCCL only queues it
         gathered: list = [None] * world
         dist.all_gather_object(gathered, [_waits(run, local) for run in runs])
-        splits = [split_waits([g[i] for g in gathered]) for i in range(len(runs))]
+        for i in range(len(runs)):
+            splits[i] = split_waits([g[i][1] for g in gathered])
+            if splits[i] is not None:
+                splits[i]["step_ms"] = max(g[i][0] for g in gathered) * 1e3
     skew = ap.device_profile.rank_skew if world > 1 else 0.0
     times = torch.tensor(
         [[*r.steps, *r.free_steps, p] for r, p in zip(runs, peaks)] + [[*probed, *probed, 0.0]],
@@ -348,7 +355,8 @@ def _print(result: dict) -> None:
             continue
         largest = ", ".join(f"{x['shape']} {x['calls']}x {x['ms_per_call']:.1f}ms" for x in w["largest"])
         print(
-            f"{r['plan']:<9} {w['collectives']} waits on collectives: exposed {w['exposed_ms']:.1f}ms,"
+            f"{r['plan']:<9} a profiled step of {w['step_ms']:.0f}ms has {w['collectives']} waits on collectives:"
+            f" exposed {w['exposed_ms']:.1f}ms,"
             f" waiting for the slowest rank {w['straggler_ms']:.1f}ms (priced {r['predicted_straggler_ms']:.1f}ms"
             f" as rank skew); most exposed: {largest or 'none'}"
         )
