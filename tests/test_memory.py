@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoplan import AutoParallel, Plan
 from autoplan.bench import run_memory
 from autoplan.bench.workloads import named_model
-from autoplan.cost import memory
+from autoplan.cost import memory, timeline
 from autoplan.errors import InfeasiblePlanError
 from solvers import InfeasibleError
 
@@ -241,8 +241,8 @@ def test_a_recompute_row_bounds_the_peak_of_the_chain_its_step_triggers():
     with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
         tg = ap._require_traced()
     tagged = frozenset().union(*(recompute.tagged(ops, "full") for ops in recompute.layers(tg.gm.graph).values()))
-    base, rc = memory.schedule(tg), memory.schedule(tg, tagged)
-    live = memory.live_profile(rc)
+    base, rc = timeline.schedule(tg), timeline.schedule(tg, tagged)
+    live = timeline.live_profile(rc)
 
     def nbytes(nodes):
         return sum(v.numel() * v.element_size() for n in nodes for v in memory.output_vals(n) if torch.is_tensor(v))
@@ -250,13 +250,13 @@ def test_a_recompute_row_bounds_the_peak_of_the_chain_its_step_triggers():
     climbs = 0
     for t, k in enumerate(base.order):
         at = rc.step[k]
-        if at == 0 or not isinstance(rc.order[at - 1], memory.Recomputed):
+        if at == 0 or not isinstance(rc.order[at - 1], timeline.Recomputed):
             continue
         first = at - 1
-        while isinstance(rc.order[first - 1], memory.Recomputed):
+        while isinstance(rc.order[first - 1], timeline.Recomputed):
             first -= 1
         frees, keeps = memory.recompute_changes(base, rc, live, t)
-        alive = {memory.node_of(s) for s in memory.live_storages(base, t)}
+        alive = {timeline.node_of(s) for s in timeline.live_storages(base, t)}
         assert nbytes((alive - frees) | keeps) == live[first : at + 1].max()
         climbs += live[first:at].max() > live[at]
     assert climbs > 0  # some chain does peak before its op
@@ -281,7 +281,7 @@ def test_the_outputs_gradients_live_to_the_end_of_the_backward():
     last = sched.n_steps - 1
     (tangent,) = planner.tg.placeholder_for("tangent").values()
     assert sched.reads[tangent] < last and sched.dies[tangent] == last
-    assert tangent in memory.live_storages(sched, last)
+    assert tangent in timeline.live_storages(sched, last)
     freed = dataclasses.replace(sched, dies={**sched.dies, tangent: sched.reads[tangent]})
     held, dropped = (
         memory.walk(planner.tg, chosen, planner.mesh_shape, planner.optimizer, s, planner.peak.move_bytes).live

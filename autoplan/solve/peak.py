@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.adapters.dtensor import tensor_meta
-from autoplan.cost import memory
+from autoplan.cost import memory, timeline
 from autoplan.cost.costs import CostModel, local_bytes
 from autoplan.cost.devices import DeviceProfile
 from autoplan.cost.moves import Move, output_moves
@@ -33,7 +33,7 @@ from autoplan.trace.tracing import TracedGraph
 # where a peak row bounds the live bytes: a base schedule step, or the recomputed copy (run right
 # before that step, which triggers its chain) at whose run the row measures what recomputing keeps;
 # and whether at the step's op's run or, before it makes anything, while its inputs move (``memory.walk``)
-Point = tuple[int, "memory.Recomputed | None", bool]
+Point = tuple[int, "timeline.Recomputed | None", bool]
 PEAK_GROUP = "memory constraint: estimated peak"
 MAX_POINTS = 8  # steps one round bounds at most
 
@@ -62,12 +62,12 @@ class PeakRows:
     device_profile: DeviceProfile
     optimizer: memory.OptimizerSpec
     shared: Shared
-    prefetch: bool = False  # the lowering gathers parameters a layer ahead (``memory.schedule``)
+    prefetch: bool = False  # the lowering gathers parameters a layer ahead (``timeline.schedule``)
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
         self.params = set(self.tg.placeholder_for("param").values())
-        self.schedule = memory.schedule(self.tg, prefetch=self.prefetch)
+        self.schedule = timeline.schedule(self.tg, prefetch=self.prefetch)
         self.into: dict[fx.Node, list[Move]] = defaultdict(list)  # each op's input moves
         self.gradient_moves: list[Move] = []
         for m in self.shared.moves({}):  # the model outputs' moves are read per request
@@ -84,7 +84,7 @@ class PeakRows:
         self.tagged = {
             (layer, o): recompute.tagged(ops, o) for layer, ops in self.layers.items() for o in recompute.OPTIONS
         }
-        self._option_schedules: dict[str, tuple[memory.Schedule, np.ndarray]] = {}
+        self._option_schedules: dict[str, tuple[timeline.Schedule, np.ndarray]] = {}
         self._changes: dict[tuple, dict[str, tuple[list, list]]] = {}
         where = self.clustering.instance
         self._twin = {(r, where[n]): n for n, r in self.clustering.rep.items() if where.get(n)}  # (rep, layer) -> node
@@ -102,13 +102,13 @@ class PeakRows:
             out.add_unit(unit, np.array(per))
         return out
 
-    def _option_schedule(self, option: str) -> tuple[memory.Schedule, np.ndarray]:
+    def _option_schedule(self, option: str) -> tuple[timeline.Schedule, np.ndarray]:
         """The schedule with every layer recomputing under ``option`` (what each layer frees is its
         own), and its unsharded live profile."""
         if option not in self._option_schedules:
             nodes = frozenset().union(*(t for (_, o), t in self.tagged.items() if o == option))
-            sched = memory.schedule(self.tg, nodes, self.prefetch)
-            self._option_schedules[option] = sched, memory.live_profile(sched)
+            sched = timeline.schedule(self.tg, nodes, self.prefetch)
+            self._option_schedules[option] = sched, timeline.live_profile(sched)
         return self._option_schedules[option]
 
     def _layer_of(self, n: fx.Node, option: str) -> str:
@@ -121,7 +121,7 @@ class PeakRows:
                 return recompute.layer_of(u)
         return ""
 
-    def _changes_at(self, step: int, option: str, copy: memory.Recomputed | None) -> dict[str, tuple[list, list]]:
+    def _changes_at(self, step: int, option: str, copy: timeline.Recomputed | None) -> dict[str, tuple[list, list]]:
         """Per layer, the storages its ``option`` frees and keeps alive at ``step`` (at ``copy``'s
         run, where the option recomputes it), in schedule order (they depend on the trace alone:
         computed once for every solve, round and re-solve)."""
@@ -134,7 +134,7 @@ class PeakRows:
             self._changes[(step, option, copy)] = dict(sorted(by_layer.items()))
         return self._changes[(step, option, copy)]
 
-    def _point(self, sched: memory.Schedule, at: int, moving: bool) -> Point:
+    def _point(self, sched: timeline.Schedule, at: int, moving: bool) -> Point:
         """Where a row bounds the bytes a plan's schedule ``sched`` holds at its step ``at`` (with
         ``moving``, while the op's inputs move): a copy recomputed by an option is at the backward
         op that triggers its chain (the next entry of the base schedule), at the copy, whose row
@@ -149,7 +149,7 @@ class PeakRows:
 
     def over(
         self,
-        sched: memory.Schedule,
+        sched: timeline.Schedule,
         live: np.ndarray,
         chosen: dict[fx.Node, Strategy],
         outputs: dict[int, Placements],
@@ -170,7 +170,7 @@ class PeakRows:
             if sched.order[at] is forward_end:  # where the lowering moves the outputs
                 running += memory.output_move_bytes(self.tg, chosen, outputs, self.move_bytes, sched)
             moving = -np.inf
-            if memory.node_of(sched.order[at]).op == "call_function":
+            if timeline.node_of(sched.order[at]).op == "call_function":
                 moving = memory.linear_peak_bytes(sched, at, *args, moving=True)
             point = self._point(sched, at, moving > running)
             if point in found:
@@ -191,21 +191,21 @@ class PeakRows:
         layers is bounded in all of them at once, not one round per layer."""
         t, copy, moving = point
         op = self.schedule.order[t]
-        node = memory.node_of(op)  # a regathered weight's copy stands for its layer's too
+        node = timeline.node_of(op)  # a regathered weight's copy stands for its layer's too
         layer = self.clustering.instance.get(node, "")
         tied = next((c for c in self.clustering.classes if layer in c), ())
         out = []
         for where in tied:
             other = self._twin.get((self.clustering.rep[node], where))
-            if other is not None and isinstance(op, memory.Recomputed):
-                other = memory.Recomputed(other)
+            if other is not None and isinstance(op, timeline.Recomputed):
+                other = timeline.Recomputed(other)
             twin = self._twin.get((self.clustering.rep[copy.node], where)) if copy is not None else None
             if where == layer or other not in self.schedule.step or (copy is not None and twin is None):
                 continue
-            out.append((self.schedule.step[other], None if twin is None else memory.Recomputed(twin), moving))
+            out.append((self.schedule.step[other], None if twin is None else timeline.Recomputed(twin), moving))
         return out
 
-    def _rerun_layer(self, copy: memory.Recomputed | None, option: str) -> str | None:
+    def _rerun_layer(self, copy: timeline.Recomputed | None, option: str) -> str | None:
         """The layer whose ``option`` runs ``copy`` again, if any."""
         if copy is None:
             return None
@@ -229,9 +229,9 @@ class PeakRows:
         index = {o.name: i for i, o in enumerate(options)}
         rows = []
         for (step, copy, moving), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]), kv[0][2])):
-            stored = memory.stored_at(self.schedule, step, moving)
-            alive = [memory.node_of(k) for k in stored]
-            made = {memory.node_of(k) for k in memory.live_storages(self.schedule, step)} - set(alive)
+            stored = timeline.stored_at(self.schedule, step, moving)
+            alive = [timeline.node_of(k) for k in stored]
+            made = {timeline.node_of(k) for k in timeline.live_storages(self.schedule, step)} - set(alive)
             terms, recomputable = [], set()
             for option in recompute.OPTIONS:
                 if not any(option_name(layer, option) in index for layer in self.layers):
@@ -252,13 +252,13 @@ class PeakRows:
             held = [
                 (o, v)
                 for o, v in memory.held_by_views(self.schedule, stored, step)
-                if memory.node_of(o) not in recomputable
+                if timeline.node_of(o) not in recomputable
             ]
             ops, views = memory.moves_at(self.schedule, step)
             before = moving or copy is not None
             moves = self._input_prices(problem, ops, self.move_bytes if before else self.copied)
             moves.add(self._input_prices(problem, views, self.copied))
-            moves.add(self._input_prices(problem, [memory.node_of(v) for _, v in held], self._dead_source))
+            moves.add(self._input_prices(problem, [timeline.node_of(v) for _, v in held], self._dead_source))
             grads = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, before)
             moves.add(priced_moves(problem, [(g.move, price) for g, price in grads]))
             if step == self.schedule.forward_end and not before:  # where the lowering moves the outputs
@@ -341,5 +341,5 @@ class ParamShard:
     placements: Placements
 
 
-def _name(copy: memory.Recomputed | None) -> str:
+def _name(copy: timeline.Recomputed | None) -> str:
     return "" if copy is None else copy.name

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoplan.cost import memory, overlap
+from autoplan.cost import memory, overlap, timeline
 from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import DeviceProfile, dtype_name
 from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
@@ -113,7 +113,7 @@ class Planner:
     solve_options: SolveOptions = field(default_factory=lambda: SolveOptions(mip_rel_gap=DEFAULT_GAP))
     merge_followers: bool = True
     expert_imbalance: float = 1.0  # see ``CostModel``
-    prefetch: bool = False  # the lowering gathers parameters a layer ahead (``memory.schedule``)
+    prefetch: bool = False  # the lowering gathers parameters a layer ahead (``timeline.schedule``)
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(self.mesh.shape)
@@ -207,7 +207,7 @@ class Planner:
 
     def walk(self, chosen: dict[fx.Node, Strategy], choice: dict[str, str], request: Request):
         """The memory report of a plan, the schedule it was walked on and the bytes alive at each step."""
-        sched = memory.schedule(self.tg, self.recomputed(choice), self.prefetch) if choice else self.peak.schedule
+        sched = timeline.schedule(self.tg, self.recomputed(choice), self.prefetch) if choice else self.peak.schedule
         move = self.peak.move_bytes
         grads = self.peak.gradient_moves
         walk = memory.walk(self.tg, chosen, self.mesh_shape, self.optimizer, sched, move, request.outputs, grads)
@@ -260,7 +260,7 @@ class Planner:
         it is (``polish_s=0``), and only the last round's plan, once within the cap, is polished by
         the full MIP: the polish is the slow part, and an earlier round's is thrown away."""
         capped = request.peak_budget is not None
-        steps = {(t, None, False): 0.0 for t in memory.candidate_steps(self.peak.schedule, count=2)} if capped else {}
+        steps = {(t, None, False): 0.0 for t in timeline.candidate_steps(self.peak.schedule, count=2)} if capped else {}
         t0 = time.perf_counter()
 
         start = self._start_of(request.start)
