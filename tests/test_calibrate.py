@@ -470,6 +470,8 @@ def test_validate_runs_plans_on_two_gloo_processes_and_reports_predicted_and_mea
         waits = r["waits"]
         assert waits["collectives"] > 0 and waits["exposed_ms"] >= 0 and waits["straggler_ms"] >= 0
         assert waits["exposed_ms"] + waits["straggler_ms"] < waits["step_ms"]  # waits are part of the step
+        # the lowered program's collectives, priced, pair up with the waits the profiler saw, in order
+        assert waits["priced_alone_ms"] > 0 and all(x["priced_ms_per_call"] > 0 for x in waits["largest"])
         assert sum(x["calls"] for x in waits["largest"]) <= waits["collectives"]
         assert r["predicted_straggler_ms"] == pytest.approx(r["predicted_compute_ms"] * skew / (1 + skew))
 
@@ -483,6 +485,13 @@ def test_waits_split_into_each_collectives_exposed_time_and_the_wait_for_the_slo
     assert split["exposed_ms"] == pytest.approx(2 + 1 + 2)  # the last rank to join waits only for the collective
     assert split["straggler_ms"] == pytest.approx(1.5 + 1.5 + 0)  # the mean wait over that
     assert split["largest"] == [{"shape": "(8,)", "calls": 2, "ms_per_call": pytest.approx(1.5)}]
+    assert split["priced_alone_ms"] is None and "priced_ms_per_call" not in split["largest"][0]
+    # each wait's collective priced alone, in the order the program meets them
+    priced = [("(4, 4)", 0.003), ("(8,)", 0.0005), ("(8,)", 0.0015)]
+    split = split_waits([rank0, rank1], largest=1, priced=priced)
+    assert split["priced_alone_ms"] == pytest.approx(5.0)
+    assert split["largest"][0]["priced_ms_per_call"] == pytest.approx(1.0)
+    assert split_waits([rank0, rank1], priced=priced[::-1])["priced_alone_ms"] is None  # out of order: unpaired
     # ranks that met different collectives pair up nothing
     assert split_waits([rank0, rank1[:2]]) is None
     assert split_waits([rank0, [("(4, 4)", 0.002), ("(9,)", 0.004), ("(8,)", 0.002)]]) is None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -40,7 +41,9 @@ from autoplan.bench.steps import backward_step, kept_bytes
 from autoplan.bench.workloads import MESH_DIM_NAMES, load_factory, model_config, named_model, parse_mesh
 from autoplan.cost.costs import roofline_seconds
 from autoplan.cost.memory import TORCH_ADAMW
+from autoplan.cost.network import MeshTopology, collective_seconds
 from autoplan.errors import AutoplanError
+from autoplan.lower.collectives import c10d, collective_kind
 from autoplan.run.group import join_group
 
 
@@ -56,15 +59,44 @@ class _Run:
     opt: torch.optim.Optimizer
     steps: list[float]
     free_steps: list[float]
+    priced: list[tuple[str, float]]  # ``priced_waits``
 
 
-def split_waits(per_rank: list[list[tuple[str, float]]], largest: int = 3) -> dict | None:
+def priced_waits(lowered, mesh, profile) -> list[tuple[str, float]]:
+    """Each wait on a collective the eager program meets, in order (its forward graph, then its
+    backward), as ``collective_waits`` reports them: (the waited tensor's shape, the collective's
+    price alone, ``network.collective_seconds`` on the group it runs on)."""
+    topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
+    spans = {mesh.get_group(d).group_name: span for d, span in enumerate(topology.spans)}
+    out = []
+    for gm in (lowered.forward, lowered.backward):
+        for n in gm.graph.find_nodes(op="call_function", target=c10d.wait_tensor.default):
+            made = n.args[0]
+            kind = collective_kind(made) if isinstance(made, fx.Node) else None
+            val = made.meta.get("val") if kind else None
+            if not isinstance(val, torch.Tensor):
+                out.append(("?", 0.0))
+                continue
+            span = spans.get(made.args[-1], topology.flat)  # a fused gather runs on the whole mesh
+            first = made.args[0].meta["val"]
+            nbytes = {
+                "all_gather": val.numel() * val.element_size(),
+                "all_to_all": first.numel() * first.element_size() * span.size,
+            }.get(kind, first.numel() * first.element_size())
+            out.append((str(tuple(val.shape)), collective_seconds(kind, span, nbytes, profile)))
+    return out
+
+
+def split_waits(
+    per_rank: list[list[tuple[str, float]]], largest: int = 3, priced: list[tuple[str, float]] | None = None
+) -> dict | None:
     """How one step's waits on collectives (``collective_waits`` of each rank, in order) split,
     in ms: ``exposed``, the sum over collectives of the shortest rank's wait, the part of the
     collective nothing hid (the last rank to join waits for nothing else); ``straggler``, the sum of the mean wait
     less that, what the step paid for its slowest rank at each collective (a step held to its
     slowest rank's segment, against the ranks' mean); and the ``largest`` collectives by exposed
-    time, by shape. None when the ranks met different collectives (then nothing pairs up)."""
+    time, by shape, each with its price alone where ``priced`` (``priced_waits``) pairs up with the
+    waits. None when the ranks met different collectives (then nothing pairs up)."""
     counts = {len(w) for w in per_rank}
     if len(counts) != 1 or any([s for s, _ in w] != [s for s, _ in per_rank[0]] for w in per_rank):
         return None
@@ -77,11 +109,19 @@ def split_waits(per_rank: list[list[tuple[str, float]]], largest: int = 3) -> di
         straggler += statistics.fmean(times) - own
         by_shape.setdefault(waits[0][0], []).append(own)
     top = sorted(by_shape.items(), key=lambda kv: -sum(kv[1]))[:largest]
+    paired = priced is not None and [s for s, _ in priced] == [s for s, _ in per_rank[0]]
+    price: dict[str, list[float]] = {}
+    for shape, seconds in priced if paired else ():
+        price.setdefault(shape, []).append(seconds)
+    rows = [{"shape": k, "calls": len(v), "ms_per_call": statistics.fmean(v) * 1e3} for k, v in top]
+    for row in rows if paired else ():
+        row["priced_ms_per_call"] = statistics.fmean(price[row["shape"]]) * 1e3
     return {
         "collectives": counts.pop(),
         "exposed_ms": exposed * 1e3,
         "straggler_ms": straggler * 1e3,
-        "largest": [{"shape": k, "calls": len(v), "ms_per_call": statistics.fmean(v) * 1e3} for k, v in top],
+        "priced_alone_ms": sum(t for _, t in priced) * 1e3 if paired else None,
+        "largest": rows,
     }
 
 
@@ -163,7 +203,7 @@ def _prepare(name: str, ap, device: str, prefetch: bool) -> _Run:
     free = pmod._autoplan.executor
     pmod._autoplan.executor = real
     opt = torch.optim.AdamW(pmod.parameters(), lr=1e-4)
-    return _Run(name, plan, pmod, real, free, opt, [], [])
+    return _Run(name, plan, pmod, real, free, opt, [], [], priced_waits(lowered, ap.mesh, ap.device_profile))
 
 
 def _step(run: _Run, local: torch.Tensor, device: str, free: bool) -> float:
@@ -276,7 +316,7 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, [_waits(run, local) for run in runs])
         for i in range(len(runs)):
-            splits[i] = split_waits([g[i][1] for g in gathered])
+            splits[i] = split_waits([g[i][1] for g in gathered], priced=runs[i].priced)
             if splits[i] is not None:
                 splits[i]["step_ms"] = max(g[i][0] for g in gathered) * 1e3
     skew = ap.device_profile.rank_skew if world > 1 else 0.0
@@ -353,11 +393,16 @@ def _print(result: dict) -> None:
         w = r["waits"]
         if w is None:
             continue
-        largest = ", ".join(f"{x['shape']} {x['calls']}x {x['ms_per_call']:.1f}ms" for x in w["largest"])
+        largest = ", ".join(
+            f"{x['shape']} {x['calls']}x {x['ms_per_call']:.1f}ms"
+            + (f" (priced {x['priced_ms_per_call']:.1f}ms alone)" if "priced_ms_per_call" in x else "")
+            for x in w["largest"]
+        )
         print(
             f"{r['plan']:<9} a profiled step of {w['step_ms']:.0f}ms has {w['collectives']} waits on collectives:"
-            f" exposed {w['exposed_ms']:.1f}ms,"
-            f" waiting for the slowest rank {w['straggler_ms']:.1f}ms (priced {r['predicted_straggler_ms']:.1f}ms"
+            f" exposed {w['exposed_ms']:.1f}ms"
+            + (f" (all priced {w['priced_alone_ms']:.1f}ms alone)," if w["priced_alone_ms"] is not None else ",")
+            + f" waiting for the slowest rank {w['straggler_ms']:.1f}ms (priced {r['predicted_straggler_ms']:.1f}ms"
             f" as rank skew); most exposed: {largest or 'none'}"
         )
     for name, why in result["refused"].items():
