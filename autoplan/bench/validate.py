@@ -59,7 +59,7 @@ class _Run:
     opt: torch.optim.Optimizer
     steps: list[float]
     free_steps: list[float]
-    priced: list[tuple[str, float]]  # ``priced_waits``
+    lowered: object  # its per-rank program (``LoweredGraph``)
 
 
 def priced_waits(lowered, mesh, profile) -> list[tuple[str, float]]:
@@ -203,7 +203,7 @@ def _prepare(name: str, ap, device: str, prefetch: bool) -> _Run:
     free = pmod._autoplan.executor
     pmod._autoplan.executor = real
     opt = torch.optim.AdamW(pmod.parameters(), lr=1e-4)
-    return _Run(name, plan, pmod, real, free, opt, [], [], priced_waits(lowered, ap.mesh, ap.device_profile))
+    return _Run(name, plan, pmod, real, free, opt, [], [], lowered)
 
 
 def _step(run: _Run, local: torch.Tensor, device: str, free: bool) -> float:
@@ -316,7 +316,8 @@ def _validate(args: argparse.Namespace, device: str) -> dict | None:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, [_waits(run, local) for run in runs])
         for i in range(len(runs)):
-            splits[i] = split_waits([g[i][1] for g in gathered], priced=runs[i].priced)
+            priced = priced_waits(runs[i].lowered, ap.mesh, ap.device_profile)
+            splits[i] = split_waits([g[i][1] for g in gathered], priced=priced)
             if splits[i] is not None:
                 splits[i]["step_ms"] = max(g[i][0] for g in gathered) * 1e3
     skew = ap.device_profile.rank_skew if world > 1 else 0.0
