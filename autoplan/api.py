@@ -44,6 +44,7 @@ from autoplan.trace import recompute, regions
 from autoplan.trace.attention import check_option as check_attention_option
 from autoplan.trace.clustering import Clustering, find_repeats, unclustered
 from autoplan.trace.inputs import InputSpec, TensorInput
+from autoplan.trace.precision import MixedPrecisionPolicy, check_policy
 from autoplan.trace.tracing import PATH_KEY, PHASE_KEY, TracedGraph, trace_joint
 from solvers import SolveOptions
 
@@ -165,6 +166,12 @@ class AutoParallel:
     hide under the previous layer's compute (without prefetch they are paid in full, as the
     program then waits for them), and the memory estimate counts the gathered weights from where
     they are issued. NCCL meshes only: gloo does not survive it.
+    ``mp_policy``: mixed precision, as FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``
+    means it (``autoplan.trace.precision``). Parameters and optimizer states stay in the model's
+    dtype; each module computes on its parameters cast to ``param_dtype`` (the plan may cast a
+    shard before gathering it, moving half the bytes); parameters' gradients are reduced in
+    ``reduce_dtype`` and reach the optimizer in the parameters' dtype. ``MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` is how large models train.
     """
 
     def __init__(
@@ -185,6 +192,7 @@ class AutoParallel:
         optimizer: memory.OptimizerSpec = memory.ADAMW,
         expert_imbalance: float = 1.0,
         prefetch: bool = False,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -206,6 +214,7 @@ class AutoParallel:
             )
         self.expert_imbalance = float(expert_imbalance)
         self.prefetch = bool(prefetch)
+        self.mp_policy = check_policy(mp_policy)
         self.solve_options = SolveOptions(backend=solver_backend, time_limit=time_limit, mip_rel_gap=mip_rel_gap)
         self._inputs: dict[int, tuple[str, Placements]] = {}  # graph input -> (how the user named it, placements)
         self._outputs: dict[int, Placements] = {}
@@ -226,7 +235,12 @@ class AutoParallel:
             t0 = time.perf_counter()
             with regions.tracing_on(self.mesh.shape):
                 self.traced = trace_joint(
-                    self.model, self.input_fn, self.loss_fn, device=self.mesh.device_type, attention=self.attention
+                    self.model,
+                    self.input_fn,
+                    self.loss_fn,
+                    device=self.mesh.device_type,
+                    attention=self.attention,
+                    mp_policy=self.mp_policy,
                 )
             recompute.fold_checkpoints(self.traced.gm.graph)
             ta = time.perf_counter()

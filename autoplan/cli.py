@@ -24,6 +24,7 @@ import sys
 import torch
 from torch.distributed.tensor import Replicate
 
+from autoplan.bench.workloads import MP_CHOICES, MP_HELP, resolve_dtype
 from autoplan.plan import Plan, parse_placements_strict
 
 log = logging.getLogger("autoplan")
@@ -57,7 +58,7 @@ def _workload(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autoplan import AutoParallel
-    from autoplan.bench.workloads import fake_mesh, parse_mesh
+    from autoplan.bench.workloads import fake_mesh, mp_policy, parse_mesh
 
     try:  # every argument checked before the (long) planning starts
         if args.cap is not None and not args.cap > 0:
@@ -73,7 +74,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"autoplan plan: {e}") from None
     log.info("tracing %s for mesh %s", args.model, "x".join(map(str, shape)))
-    with AutoParallel(model, mesh, input_fn, device_profile=args.device_profile, attention=args.attention) as ap:
+    settings = {"device_profile": args.device_profile, "attention": args.attention, "mp_policy": mp_policy(args.mp)}
+    with AutoParallel(model, mesh, input_fn, **settings) as ap:
         log.info("traced and enumerated strategies: %s", _seconds(ap.timings))
         if inputs:
             ap.add_input_constraints([inputs])
@@ -178,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="override a named model's number of layers")
     p.add_argument("--batch", type=int, default=None, help="global batch of a named model (default max(32, dp))")
     p.add_argument("--seq", type=int, default=None, help="sequence length of a named model (default ≤ 8192)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="a named model's parameters' dtype (bfloat16; float32 with --mp)")
+    p.add_argument("--mp", choices=MP_CHOICES, default="none", help=MP_HELP)
     p.add_argument("--inputs", default=None, help="placements of the (first) input, e.g. 'S(0)R'")
     p.add_argument("--outputs", default=None, help="placements of the (first) output")
     p.add_argument("--pin", action="append", default=[], help="TARGET=PLACEMENTS, e.g. 'layers.*.wq.weight=S(0)S(0)'")
@@ -248,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     shown = getattr(args, "cap", None) is not None and not args.verbose
     for name in PROGRESS_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO if shown else logging.NOTSET)
-    if getattr(args, "dtype", None) and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
-        raise SystemExit(f"autoplan: --dtype must name a torch dtype (e.g. bfloat16), got {args.dtype!r}")
+    try:
+        resolve_dtype(args)
+    except ValueError as e:
+        raise SystemExit(f"autoplan: {e}") from None
     try:
         return args.run(args)
     except KeyError as e:  # explain: no such node or module (the message lists close ones)

@@ -12,6 +12,7 @@ and, beyond them, encoders, encoder-decoders called with keywords, vision and sp
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 import time
@@ -197,12 +198,16 @@ class Numerics:
     plan: object  # the plan that ran
 
 
-def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None) -> Numerics:
+def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None, mp_policy=None, tolerance=1e-5) -> Numerics:
     """One training step of the family's plan on ``shape`` under ``LocalTensorMode`` (every rank in this
     process, real collectives between them) against the same model on one device.
 
     Loss = mean of the squared logits; dropout is off in both (they would draw different numbers).
-    ``pins``: a function of the traced graph giving (target, placements) node constraints.
+    ``pins``: a function of the traced graph giving (target, placements) node constraints. With a
+    mixed-precision ``mp_policy`` (``AutoParallel(mp_policy=...)``), one device runs a copy of the
+    model with its parameters in ``param_dtype``, its logits cast to ``output_dtype``, and its
+    gradients cast back to the fp32 parameters'. ``tolerance``: elementwise ``rtol`` (and ``atol``
+    a tenth of it) a gradient must meet.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -211,14 +216,25 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None) -> Numeric
     torch.manual_seed(0)
     ref = tiny_model(family, dropout=False, device="cpu")
     call = example_call(family, torch.Generator().manual_seed(1))
+    work = ref
+    if mp_policy is not None:
+        work = copy.deepcopy(ref)
+        for p in work.parameters():
+            p.data = p.data.to(mp_policy.param_dtype)
     with any_dtype_grouped_mm():  # an fp32 MoE's experts on CPU (ATen's grouped matmul takes bfloat16 only)
-        ref_loss = ref(**call).logits.pow(2).mean()
+        logits = work(**call).logits
+        out_dtype = None if mp_policy is None else mp_policy.output_dtype
+        ref_loss = (logits if out_dtype is None else logits.to(out_dtype)).pow(2).mean()
     ref_loss.backward()
+    for p, w in zip(ref.parameters(), work.parameters()):
+        if w is not p and w.grad is not None:
+            p.grad = w.grad.to(p.dtype)
 
     mesh, io = fake_mesh(shape), (Shard(0),) + (Replicate(),) * (len(shape) - 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with AutoParallel(tiny_model(family, dropout=False), mesh, lambda: example_call(family)) as ap:
+        model = tiny_model(family, dropout=False)
+        with AutoParallel(model, mesh, lambda: example_call(family), mp_policy=mp_policy) as ap:
             ap.add_input_constraints(dict.fromkeys(call, io))
             ap.add_output_constraints([io])  # output 0: the logits
             ap.add_memory_constraint(param_fraction=1 / math.prod(shape))
@@ -242,9 +258,9 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None) -> Numeric
     worst, bad = 0.0, []
     for name, (got, want) in errors.items():
         # relative to the tensor's norm, or to atol where it is ~0 (a key bias' gradient is round-off)
-        floor = 1e-6 * want.numel() ** 0.5
+        floor = tolerance / 10 * want.numel() ** 0.5
         worst = max(worst, float((got - want).norm() / want.norm().clamp_min(floor)))
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        if not torch.allclose(got.to(want.dtype), want, rtol=tolerance, atol=tolerance / 10):
             bad.append(name)
     sharded = sum(any(isinstance(p, Shard) for p in pl) for pl in plan.param_placements.values())
     return Numerics(worst, bad, sharded, plan)

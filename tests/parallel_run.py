@@ -1,6 +1,7 @@
 """One training run of a planned model next to its single-device reference, shared by the gloo
 (one process per rank) and LocalTensorMode (all ranks in one process) ground-truth tests."""
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -41,10 +42,43 @@ def one_value(t: torch.Tensor, ranks: int = 8) -> torch.Tensor:
     return values[0]
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """fp32 agreement: elementwise allclose(rtol=1e-5, atol=1e-6) and a relative norm error below 1e-5."""
+@dataclass(frozen=True)
+class Tolerance:
+    """How close a parallel run's values must be to single-device: elementwise ``allclose(rtol,
+    atol)`` and a relative norm error below ``rel``."""
+
+    rtol: float
+    atol: float
+    rel: float
+    update: float  # the parameters' total update over the steps, relative norm error
+    loss: float  # each step's loss, relative error
+
+
+# updates: AdamW moves an element whose gradient is ~0 by about the learning rate, in the direction
+# of that gradient's sign, which the order of a sum may flip: 1e-4 of the update's norm measured
+FP32 = Tolerance(rtol=1e-5, atol=1e-6, rel=1e-5, update=1e-3, loss=1e-5)
+# bf16 compute (unit roundoff 2**-9, about 2e-3): a sharded contraction rounds each rank's partial
+# sum to bf16 before they are summed, where one device rounds once, so values differ by a few
+# roundoffs. Measured on LLaMA debug, 8 ranks: losses 0.27%, gradients 0.36% (norm), updates 3.3%;
+# the same policy against an fp32 run differs by 0.7%, 0.8% and 7.9%.
+BF16 = Tolerance(rtol=2e-2, atol=1e-5, rel=1e-2, update=5e-2, loss=5e-3)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance = FP32) -> bool:
     rel = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-    return bool(torch.allclose(actual, expected, rtol=1e-5, atol=1e-6)) and rel < 1e-5
+    return bool(torch.allclose(actual, expected, rtol=tol.rtol, atol=tol.atol)) and rel < tol.rel
+
+
+def same_update(actual: torch.Tensor, expected: torch.Tensor, ref, name: str) -> bool:
+    """The parameter ``name`` after the steps moved as it did on one device: the relative norm
+    error of its total update is below ``ref.tolerance.update``. AdamW's first steps move each
+    element by about the learning rate whatever its gradient's size, so an element whose tiny
+    gradient changes sign with the order of a sum moves the other way: elementwise checks do not
+    hold even in fp32, the update's norm does."""
+    start = ref.initial_state[name]
+    moved = (expected - start).norm().clamp_min(1e-30)
+    err = float((actual - expected).norm() / moved)
+    return err < ref.tolerance.update
 
 
 def make(name: str, batch_rows: int = 4):
@@ -108,25 +142,46 @@ class Reference:
     initial_state: dict
     losses: list = field(default_factory=list)
     grads: dict = field(default_factory=dict)  # after the first step
+    tolerance: Tolerance = FP32
+    final: dict = field(default_factory=dict)  # the parameters after the last step
 
 
-def reference_run(name: str, batch_rows: int = 4) -> Reference:
-    """Three single-device AdamW steps (loss = mean of the outputs)."""
+def reference_run(name: str, batch_rows: int = 4, policy=None, tolerance: Tolerance = FP32) -> Reference:
+    """Three single-device AdamW steps (loss = mean of the outputs). With a mixed-precision
+    ``policy``, as FSDP2 means it: the optimizer steps fp32 parameters, and each step runs a copy
+    of the model whose parameters are cast to ``param_dtype`` (its inputs too, with
+    ``cast_forward_inputs``; its outputs cast to ``output_dtype``), the copy's gradients cast back."""
     build, batch_fn = make(name, batch_rows)
     torch.manual_seed(0)
     model = build()
-    ref = Reference(model, [batch_fn(torch.Generator().manual_seed(s)) for s in range(STEPS)], {})
+    ref = Reference(model, [batch_fn(torch.Generator().manual_seed(s)) for s in range(STEPS)], {}, tolerance=tolerance)
     ref.initial_state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    work = model
+    if policy is not None:
+        work = copy.deepcopy(model)
+        for p in work.parameters():
+            p.data = p.data.to(policy.param_dtype)
     for step, batch in enumerate(ref.batches):
+        if policy is not None:
+            with torch.no_grad():
+                for p, w in zip(model.parameters(), work.parameters()):
+                    w.copy_(p)
+            if policy.cast_forward_inputs and batch.dtype.is_floating_point:
+                batch = batch.to(policy.param_dtype)
         with grouped_mm.any_dtype():  # an fp32 MoE's grouped matmuls (ATen's take bfloat16 only)
-            loss = model(batch).mean()
+            out = work(batch)
+            loss = (out if policy is None or policy.output_dtype is None else out.to(policy.output_dtype)).mean()
         loss.backward()
+        if work is not model:
+            for p, w in zip(model.parameters(), work.parameters()):
+                p.grad, w.grad = None if w.grad is None else w.grad.to(p.dtype), None
         if step == 0:
             ref.grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         ref.losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()
+    ref.final = {n: p.detach().clone() for n, p in model.named_parameters()}
     return ref
 
 
@@ -189,13 +244,19 @@ def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t, 
         if step == 0:
             grads_ok = {
                 n: (p.grad is None) == (ref.grads[n] is None)
-                and (p.grad is None or close(plain(p.grad.full_tensor()), ref.grads[n]))
+                and (p.grad is None or close(plain(p.grad.full_tensor()), ref.grads[n], ref.tolerance))
                 for n, p in pmod.named_parameters()
             }
         losses.append(float(plain(loss.full_tensor())))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "grads_ok": grads_ok}
+    final = {n: plain(p.detach().full_tensor()) for n, p in pmod.named_parameters()}
+    return {
+        "losses": losses,
+        "grads_ok": grads_ok,
+        "tolerance": ref.tolerance,
+        "final_ok": {n: final[n].dtype == p.dtype and same_update(final[n], p, ref, n) for n, p in ref.final.items()},
+    }
 
 
 def graph_report(plan, lowered) -> dict:
@@ -239,9 +300,12 @@ def check_run(r: dict) -> None:
     the joint graph has exactly the planned ones (fused chains counted once), and forward plus
     backward add only the FSDP re-gathers, which the plan priced (each regathered move runs again,
     its chain of gathers fused into one collective or not)."""
-    assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+    tol = r["tolerance"]
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=tol.loss, abs=tol.atol)
     bad = [n for n, ok in r["grads_ok"].items() if not ok]
     assert not bad, bad
+    bad = [n for n, ok in r["final_ok"].items() if not ok]
+    assert not bad, ("parameters after the last step", bad)
     planned = expected_on_cpu(r["planned"])
     if r["fused"]:
         planned["all_gather"] -= r["fused"]

@@ -38,3 +38,12 @@ def add_load_state_dict_pre_hook(module: nn.Module, hook: Callable) -> None:
     """Run ``hook(module, state_dict, prefix, *rest)`` before ``module`` loads its own entries of a
     state dict (the hook may rewrite them)."""
     module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def swap_parameter(module: nn.Module, name: str, tensor) -> object:
+    """Put ``tensor`` (any tensor, not only an ``nn.Parameter``) in ``module``'s own parameter slot
+    ``name`` and return what was there: what ``torch.func.functional_call`` does to run a module on
+    other tensors, which ``setattr`` refuses for a plain tensor."""
+    previous = module._parameters[name]
+    module._parameters[name] = tensor
+    return previous

@@ -32,7 +32,17 @@ from autoplan.adapters.inductor import profile_cpp_kernels
 from autoplan.bench import gpu, validate
 from autoplan.bench.collective_free import collective_free_executor
 from autoplan.bench.steps import backward_step, kept_bytes
-from autoplan.bench.workloads import fake_mesh, model_batch, model_config, named_model, parse_mesh
+from autoplan.bench.workloads import (
+    MP_CHOICES,
+    MP_HELP,
+    fake_mesh,
+    model_batch,
+    model_config,
+    mp_policy,
+    named_model,
+    parse_mesh,
+    resolve_dtype,
+)
 
 
 def _peak_rss_gib() -> float:
@@ -64,6 +74,7 @@ def _planned(args: argparse.Namespace):
         input_fn=lambda: torch.randint(0, vocab, (batch, seq)),
         device_profile=_profile(args),
         prefetch=getattr(args, "prefetch", False),
+        mp_policy=mp_policy(getattr(args, "mp", None)),
     )
     with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
@@ -119,6 +130,7 @@ def run_plan(args: argparse.Namespace) -> dict:
         "batch": batch,
         "seq": seq,
         "dtype": args.dtype,
+        "mp": getattr(args, "mp", None),
         "wall_s": wall,
         "phases_s": plan.timings | {"apply": applied["apply_s"]},
         "layers_stamped": ap.traced.stamped,
@@ -274,7 +286,8 @@ def _programs(args: argparse.Namespace, keep_plan: bool = False) -> tuple[list[_
         profile_cpp_kernels()
     programs = [_Program("planned", pmod, pmod, tokens, args.compile)]
     if not args.planned_only:
-        model, _ = named_model(args.model, dtype, args.layers)
+        policy = mp_policy(getattr(args, "mp", None))  # the plain model computes in the compute dtype
+        model, _ = named_model(args.model, dtype if policy is None else policy.param_dtype, args.layers)
         model.to_empty(device=device)
         model.init_weights()
         plain_run = torch.compile(model) if args.compile else model
@@ -474,6 +487,7 @@ def run_compare(args: argparse.Namespace) -> dict:
         lambda: torch.randint(0, vocab, (batch, seq)),
         device_profile=args.device_profile,
         prefetch=args.prefetch,
+        mp_policy=mp_policy(args.mp),
     )
     with ap:
         batch_pl = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
@@ -508,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default="16x8")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: max(32, dp size))")
     p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="the parameters' dtype (default bfloat16; float32 with --mp)")
+    p.add_argument("--mp", choices=MP_CHOICES, default="none", help=MP_HELP)
     p.add_argument("--json", default=None, help="write the numbers to this file")
     p.add_argument("--cap", type=float, default=None, help="cap the estimated peak per device (GiB)")
     p.add_argument(
@@ -525,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--compile", action="store_true", help="Inductor for both programs")
     o.add_argument("--batch", type=int, default=1, help="local (per-rank) batch; the global one is it x mesh dim 0")
     o.add_argument("--seq", type=int, default=None)
-    o.add_argument("--dtype", default="bfloat16")
+    o.add_argument("--dtype", default=None, help="the parameters' dtype (default bfloat16; float32 with --mp)")
+    o.add_argument("--mp", choices=MP_CHOICES, default="none", help=MP_HELP)
     o.add_argument("--steps", type=int, default=3, help="timed steps per program, after two warm-up steps")
     o.add_argument("--json", default=None, help="write the numbers to this file")
     o.add_argument(
@@ -557,8 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
-        raise SystemExit(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")
+    try:
+        resolve_dtype(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     runners = {
         "plan": run_plan,
         "apply": run_apply,

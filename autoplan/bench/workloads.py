@@ -118,3 +118,32 @@ def load_factory(spec: str, **kwargs: Any) -> tuple[torch.nn.Module, Callable[[]
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module) and callable(made[1])):
         raise ValueError(f"model factory {spec!r} must return (model, input_fn), got {type(made).__name__}")
     return made
+
+
+MP_CHOICES = ("none", "bf16", "fp16")
+MP_HELP = (
+    "mixed precision as FSDP2's MixedPrecisionPolicy: fp32 parameters and optimizer states, compute and"
+    " parameter gathers in bf16 (or fp16), gradients reduced in fp32; the model is then built in fp32"
+)
+
+
+def mp_policy(name: str | None):
+    """The ``MixedPrecisionPolicy`` the ``--mp`` option names (``None`` for ``"none"``): parameters
+    cast to bf16 or fp16 for compute, gradients reduced in fp32, as torchtitan trains."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if name in (None, "none"):
+        return None
+    if name not in MP_CHOICES:
+        raise ValueError(f"--mp is one of {', '.join(MP_CHOICES)}, got {name!r}")
+    compute = torch.bfloat16 if name == "bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def resolve_dtype(args) -> None:
+    """Set ``args.dtype`` where it was left out: the parameters' dtype, fp32 under ``--mp`` (the
+    master weights), else bf16. Raise ``ValueError`` for a name that is no torch dtype."""
+    if getattr(args, "dtype", "") is None:
+        args.dtype = "float32" if mp_policy(getattr(args, "mp", None)) else "bfloat16"
+    if getattr(args, "dtype", None) and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise ValueError(f"--dtype must name a torch dtype (e.g. bfloat16, float32), got {args.dtype!r}")

@@ -39,10 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from autoplan.shard.strategies import aliases_input
 from autoplan.trace.clustering import layer_instances
+from autoplan.trace.precision import REDUCE_BEFORE
 from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 
 
@@ -66,12 +68,15 @@ def parameter_only(tg: TracedGraph) -> frozenset[fx.Node]:
 
 
 def regathered(nodes: list[fx.Node], params: set[fx.Node]) -> frozenset[fx.Node]:
-    """Forward views of parameters (through views only). Where a plan reads a parameter in another
-    placement, such a view owns the gathered copy, and the lowering gathers it again for the
-    backward instead of keeping it (FSDP's reshard after forward, ``passes.fsdp_recompute``)."""
+    """Forward views and casts of parameters (through views and casts only: a mixed-precision
+    policy's cast to the compute dtype). Where a plan reads a parameter in another placement, such
+    a value owns the gathered copy, and the lowering casts and gathers it again for the backward
+    instead of keeping it (FSDP's reshard after forward, ``passes.fsdp_recompute``)."""
     found: set[fx.Node] = set()
     for n in nodes:
-        if n.op == "call_function" and n.meta.get(PHASE_KEY) == "forward" and aliases_input(n):
+        if n.op != "call_function" or n.meta.get(PHASE_KEY) != "forward":
+            continue
+        if aliases_input(n) or n.target is torch.ops.aten._to_copy.default:
             ins = n.all_input_nodes
             if len(ins) == 1 and (ins[0] in params or ins[0] in found):
                 found.add(n)
@@ -118,11 +123,13 @@ class Hiding:
         prefetched parameter-only value read by an op counts in the op's segment (``again``: the
         backward's run of the move, in the backward segment of the op's layer); a gradient moved
         into its parameter's placement counts in its producer's (the move runs while the backward
-        goes on).
+        goes on; so does one reduced before its cast to the parameter's dtype).
         """
         if into_output:
             if reader not in self.params:
                 return None
+            at = src
+        elif reader is not None and reader.meta.get(REDUCE_BEFORE):  # a gradient reduced before its cast back
             at = src
         elif reader is None or src not in self.early:
             return None

@@ -35,6 +35,7 @@ from autoplan.shard.strategies import (
     value_of,
 )
 from autoplan.trace.clustering import Clustering
+from autoplan.trace.precision import KEEP_PARTIAL, REDUCE_BEFORE
 from autoplan.trace.tracing import TracedGraph
 
 
@@ -141,6 +142,13 @@ def _edge(strats, root, price: Matrix, ur: fx.Node, k: int, cr: fx.Node, slot, o
     if len(dsts) == 1:
         return _Edge(*parts, src_unit, src_label, None)
     return _Edge(*parts, None, None, (src_unit, dst_unit, src_label.tobytes(), dst_label.tobytes()))
+
+
+def _reduces(srcs: list, dsts: list) -> np.ndarray:
+    """True where moving placements ``srcs[o]`` to ``dsts[q]`` sums partial values on some mesh dim."""
+    return np.array(
+        [[any(a.is_partial() and not b.is_partial() for a, b in zip(s, d)) for d in dsts] for s in srcs], dtype=bool
+    ).reshape(len(srcs), len(dsts))
 
 
 def forward_costs(
@@ -297,8 +305,8 @@ def merge_followers(
         return n
 
     for v, ns in strategies.items():
-        if not _single_use_view(v) or len(producers.get(v, ())) != 1:
-            continue
+        if not _single_use_view(v) or len(producers.get(v, ())) != 1 or v.meta.get(REDUCE_BEFORE):
+            continue  # a gradient's cast that a reduction may come before keeps the edge that prices it
         ((u, k),) = producers[v]
         if u not in strategies or root_of(u) is v:
             continue
@@ -431,6 +439,8 @@ def build_problem(
         meta = tensor_meta(output_vals(ur)[k])
         runs = cost_model.reruns(edge.srcs, edge.dsts, meta) * mult if again else mult  # a regather, or none
         cost = edge.cost * runs
+        if ur.meta.get(KEEP_PARTIAL):  # a gradient reduced in the policy's reduce_dtype, after its cast
+            cost = np.where(_reduces(edge.srcs, edge.dsts), np.inf, cost)
         name = shared.hiding.segment_of(ur, cr, slot == "out", again)
         if name is not None:  # only its collectives hide: its copies run in line with compute
             seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, meta)

@@ -30,7 +30,7 @@ from autoplan.adapters.ops import OpOverload, schema
 from autoplan.adapters.pytree import tree_flatten, tree_map_only, tree_unflatten
 from autoplan.progress import ticker
 from autoplan.trace import attention as attn
-from autoplan.trace import regions, stamping
+from autoplan.trace import precision, regions, stamping
 from autoplan.trace.functions import TracedFunctions, current_module_path
 from autoplan.trace.inputs import InputSpec, OutputSpec, split_call
 from autoplan.trace.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
@@ -122,18 +122,26 @@ class OutputSink:
 class _LossWrapper(nn.Module):
     """Runs the model, then the user's loss; the model is a child so parameter FQNs keep a fixed prefix."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None, inputs: InputSpec | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable | None,
+        inputs: InputSpec | None = None,
+        policy: precision.MixedPrecisionPolicy | None = None,
+    ):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.inputs = inputs  # the traced call: where the tensors go, and the constants between them
+        self.policy = policy  # mixed precision: the casts a forward makes (``autoplan.trace.precision``)
         self.returns: OutputSpec | None = None  # what the whole model's forward returned (its first call)
 
     def forward(self, *tensors):
         # the graph's inputs are the call's tensors alone: its constants (None, Python numbers) go back
         # in between them here, so the trace bakes them in
         args, kwargs = (tensors, {}) if self.inputs is None else self.inputs.call(tensors)
-        out = self.model(*args, **kwargs)
+        args, kwargs = precision.cast_inputs((args, kwargs), self.policy)
+        out = precision.cast_outputs(self.model(*args, **kwargs), self.policy)
         if self.loss_fn is not None:
             out = self.loss_fn(out)
         if self.returns is None:
@@ -549,6 +557,7 @@ def _enter_tracing(stack: contextlib.ExitStack, wrapper: nn.Module, attention: s
     tick = stack.enter_context(ticker(desc, "module calls"))
     stack.enter_context(fx_traceback.preserve_node_meta())
     stack.enter_context(_record_module_paths(wrapper, tick))
+    stack.enter_context(precision.casting(wrapper, wrapper.policy, "model"))  # after the paths: casts carry them
     stack.enter_context(TracedFunctions(attention))
     stack.enter_context(named_failures(current_module_path))
 
@@ -560,6 +569,7 @@ def trace_joint(
     device: torch.device | str = "cpu",
     attention: str = "auto",
     repeats: bool = True,
+    mp_policy: precision.MixedPrecisionPolicy | None = None,
 ) -> TracedGraph:
     """Trace ``loss_fn(model(...))`` (or the model's outputs) forward and backward on fake tensors,
     the model called as ``input_fn``'s value says (``autoplan.trace.inputs``: a tensor, positional arguments,
@@ -571,7 +581,8 @@ def trace_joint(
     ``"auto"`` what a CUDA GPU runs, ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``
     (decomposed), or ``"cpu"`` (the host's own choice, on a CPU mesh). With ``repeats``, a deep
     stack of layers proven identical is traced as two layers and copied (``autoplan.trace.stamping``),
-    on either path.
+    on either path. ``mp_policy`` traces mixed precision (``autoplan.trace.precision``): each module's
+    casts of its parameters, and which gradients must be cast before they are reduced.
     """
     attn.check_option(attention)
     device = torch.device(device)
@@ -579,7 +590,7 @@ def trace_joint(
         raise ValueError(f"attention='cpu' traces the host's CPU kernel and needs a CPU mesh, not {device.type!r}")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     inputs, args = make_fake_inputs(input_fn, fake_mode, device, model.forward)
-    wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn, inputs)
+    wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn, inputs, precision.check_policy(mp_policy))
     joint, shared, written = None, _shared_names(wrapper), {}
     stack = stamping.find_stack(wrapper, _PREFIX) if repeats else None
     with contextlib.ExitStack() as es:
@@ -618,6 +629,8 @@ def trace_joint(
         for node in gm.graph.find_nodes(op="call_function", target=check):
             node.meta.setdefault("val", None)  # no output
     _mark_phases(gm, sum(1 for lab in out_labels if lab[0] == "output"))
+    outs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    precision.mark_reduced_gradients([o for o, lab in zip(outs, out_labels) if lab[0] == "grad_param"], mp_policy)
     return TracedGraph(
         gm=gm,
         input_labels=[_strip(lab) for lab in in_labels],

@@ -49,14 +49,15 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> torch
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of ``x`` (batch, seq, heads, head_dim) by the table ``freqs``."""
+    """Rotate pairs of channels of ``x`` (batch, seq, heads, head_dim) by the table ``freqs``, in
+    fp32 (the table's dtype) and back to ``x``'s dtype, as a mixed-precision step computes it."""
     b, s, h, d = x.shape
-    xr = x.reshape(b, s, h, d // 2, 2)
+    xr = x.float().reshape(b, s, h, d // 2, 2)
     cos = freqs[:s, None, :, 0]
     sin = freqs[:s, None, :, 1]
     x0, x1 = xr[..., 0], xr[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.reshape(b, s, h, d)
+    return out.reshape(b, s, h, d).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +67,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        """Normalized in fp32 and cast back before the scale, as mixed-precision training runs it."""
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

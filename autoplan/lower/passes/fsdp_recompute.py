@@ -65,9 +65,20 @@ def from_parameter(n: fx.Node, params: set[fx.Node]) -> bool:
     return True
 
 
+def _upstream(n: fx.Node, params: set[fx.Node]) -> list[fx.Node]:
+    """The cheap ops between a parameter and ``n`` (``from_parameter`` holds), ``n`` included."""
+    chain = []
+    while n not in params:
+        chain.append(n)
+        n = n.all_input_nodes[0]
+    return chain
+
+
 def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeStats:
-    """Tag every forward collective of a parameter and its cheap downstream chain. The cost model
-    prices each such chain's collectives twice (``CostModel.reruns``), so the two must agree."""
+    """Tag every forward collective of a parameter, its cheap downstream chain and the cheap ops
+    that read the shard it gathers (a mixed-precision cast of the shard: the backward casts again
+    rather than keep the low-precision shard). The cost model prices each such chain's
+    collectives twice (``CostModel.reruns``), so the two must agree."""
     tagged: set[fx.Node] = set()
     chains = 0
     for n in graph.nodes:
@@ -76,6 +87,7 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
         if n in tagged or not from_parameter(n.args[0], params):
             continue
         chains += 1
+        tagged.update(_upstream(n.args[0], params))
         frontier = [n]
         while frontier:
             node = frontier.pop()
@@ -90,6 +102,9 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
                 data = user.args[:1] if user.target is aten.index_select.default else user.all_input_nodes
                 if _is_forward(user) and cheap and all(a in tagged for a in data):
                     frontier.append(user)
+    for n in graph.nodes:  # a parameter's cast with no gather (replicated): cast again, not kept either
+        if _is_forward(n) and n.target is aten._to_copy.default and from_parameter(n, params):
+            tagged.update(_upstream(n, params))
     for node in tagged:
         node.meta[RECOMPUTE_KEY] = True
     return RecomputeStats(chains=chains, nodes=len(tagged))
