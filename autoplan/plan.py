@@ -187,6 +187,8 @@ class Plan:
     signature: dict[str, str] = field(default_factory=dict)
     # priced for a program that gathers parameters a layer ahead (``AutoParallel(prefetch=True)``)
     prefetch: bool = False
+    # the mixed-precision policy traced (``AutoParallel(mp_policy=...)``): its dtypes by field, set ones only
+    precision: dict[str, str] = field(default_factory=dict)
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -207,6 +209,7 @@ class Plan:
             f" / bwd {self.cost.comm_backward * 1e3:.2f} of which {self.cost.hidden_comm * 1e3:.2f} under compute,"
             f" recompute {self.cost.recompute * 1e3:.2f}); MFU {self.cost.mfu:.1%}",
             f"recompute: {_recompute_line(self.recompute, self.checkpointed)}",
+            *([f"mixed precision: {_precision_line(self.precision)}"] if self.precision else []),
             f"memory per device: params {_gib(self.memory.param_bytes)}, grads {_gib(self.memory.grad_bytes)},"
             f" optimizer {_gib(self.memory.optimizer_bytes)}, activations saved {_gib(self.memory.activation_bytes)}",
             f"estimated peak: {_gib(self.memory.peak_bytes)} at {self.memory.peak_at} ({self.memory.peak_phase}): "
@@ -394,6 +397,7 @@ class Plan:
             overlap_budget=d.get("overlap_budget", {}),
             signature=d.get("signature", {}),
             prefetch=d.get("prefetch", False),
+            precision=d.get("precision", {}),
         )
 
     @classmethod
@@ -430,6 +434,17 @@ def _pass_lines(passes: dict[str, int]) -> list[str]:
         if kinds:
             lines.append(f"collectives {stage.replace('_', ' ')}: " + ", ".join(f"{k} {v}" for k, v in kinds.items()))
     return lines
+
+
+def _precision_line(precision: dict[str, str]) -> str:
+    """``MixedPrecisionPolicy``'s fields in the words of a training recipe."""
+    words = {
+        "param_dtype": "compute and parameter gathers in {}",
+        "reduce_dtype": "gradients reduced in {}",
+        "output_dtype": "outputs in {}",
+    }
+    said = ", ".join(words[k].format(v) for k, v in precision.items() if k in words)
+    return said + "; parameters and optimizer states keep their own dtype"
 
 
 def _recompute_line(choice: dict[str, str], checkpointed: dict[str, int]) -> str:

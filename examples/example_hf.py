@@ -12,6 +12,7 @@ and, beyond them, encoders, encoder-decoders called with keywords, vision and sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import sys
@@ -198,16 +199,25 @@ class Numerics:
     plan: object  # the plan that ran
 
 
-def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None, mp_policy=None, tolerance=1e-5) -> Numerics:
+def numerics(
+    family: str,
+    shape: tuple[int, ...] = (2, 2),
+    pins=None,
+    mp_policy=None,
+    tolerance=1e-5,
+    compiled=False,
+    mesh=None,
+) -> Numerics:
     """One training step of the family's plan on ``shape`` under ``LocalTensorMode`` (every rank in this
-    process, real collectives between them) against the same model on one device.
+    process, real collectives between them), or on ``mesh``, a real one (this process one of its
+    ranks), against the same model on one device.
 
     Loss = mean of the squared logits; dropout is off in both (they would draw different numbers).
     ``pins``: a function of the traced graph giving (target, placements) node constraints. With a
     mixed-precision ``mp_policy`` (``AutoParallel(mp_policy=...)``), one device runs a copy of the
     model with its parameters in ``param_dtype``, its logits cast to ``output_dtype``, and its
     gradients cast back to the fp32 parameters'. ``tolerance``: elementwise ``rtol`` (and ``atol``
-    a tenth of it) a gradient must meet.
+    a tenth of it) a gradient must meet. ``compiled``: the parallel module's regions run through Inductor.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -230,7 +240,10 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None, mp_policy=
         if w is not p and w.grad is not None:
             p.grad = w.grad.to(p.dtype)
 
-    mesh, io = fake_mesh(shape), (Shard(0),) + (Replicate(),) * (len(shape) - 1)
+    world = contextlib.nullcontext() if mesh is not None else simulated_world(math.prod(shape))
+    mesh = mesh if mesh is not None else fake_mesh(shape)
+    shape = tuple(mesh.shape)
+    io = (Shard(0),) + (Replicate(),) * (len(shape) - 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = tiny_model(family, dropout=False)
@@ -241,8 +254,8 @@ def numerics(family: str, shape: tuple[int, ...] = (2, 2), pins=None, mp_policy=
             for target, placements in pins(ap.traced) if pins else ():
                 ap.add_node_constraint(target, placements)
             plan = ap.optimize_placement()
-            pmod = ap.apply_placement(plan)
-    with simulated_world(math.prod(shape)):
+            pmod = ap.apply_placement(plan, compile=compiled)
+    with world:
         pmod.to_empty(device="cpu")
         for name, b in pmod.named_buffers():  # RoPE tables and the like, which no state dict carries
             (b.to_local() if isinstance(b, DTensor) else b).copy_(ref.get_buffer(name))

@@ -3,7 +3,12 @@
 Plan LLaMA-3 8B for 128 GPUs (mesh dp=16 x tp=8) on a fake process group, print it, save it:
 
     python examples/example_llama3.py [--model {debug,8b,70b}] [--mesh 16x8] [--seq-len 8192]
-                                      [--batch 32] [--device-profile h100] [--out plan.json]
+                                      [--batch 32] [--device-profile h100] [--mp {none,bf16,fp16}]
+                                      [--out plan.json]
+
+8B and 70B are planned with mixed precision by default (``--mp bf16``: fp32 parameters and
+optimizer states, bf16 compute and parameter gathers, fp32 gradient reductions, FSDP2's
+``MixedPrecisionPolicy`` as torchtitan trains); ``--mp none`` plans pure bf16.
 
 Without ``--mesh`` the mesh suits the model: 16x8 for 8b and 70b, 2x2 for ``debug`` (its 0.2 MB of
 parameters cannot be split 128 ways within the 1/ranks parameter budget). An error autoplan raises on
@@ -40,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from autoplan import AutoParallel, Plan
 from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
-from autoplan.bench.workloads import fake_mesh, model_batch, parse_mesh
+from autoplan.bench.workloads import MP_CHOICES, MP_HELP, fake_mesh, model_batch, mp_policy, parse_mesh
 from autoplan.cost.devices import DEVICE_PROFILES
 from autoplan.errors import AutoplanError
 from solvers import InfeasibleError, SolverTimeoutError
@@ -48,6 +53,8 @@ from solvers import InfeasibleError, SolverTimeoutError
 EXECUTE_MESH, EXECUTE_BATCH, EXECUTE_SEQ, EXECUTE_STEPS = (2, 2), 8, 32, 5
 # the mesh planned on when --mesh is not given: debug is too small to be worth splitting over 128 ranks
 DEFAULT_MESH = {"debug": "2x2", "8b": "16x8", "70b": "16x8"}
+# mixed precision when --mp is not given: the large models train as torchtitan trains them
+DEFAULT_MP = {"debug": "none", "8b": "bf16", "70b": "bf16"}
 # errors autoplan raises on purpose: their message names the culprit, a traceback adds nothing
 PLANNING_ERRORS = (AutoplanError, InfeasibleError, SolverTimeoutError)
 
@@ -57,15 +64,17 @@ def planning_failed(what: str, error: Exception) -> str:
     return f"example_llama3.py: planning {what} failed: {error}"
 
 
-def plan_llama(mesh, cfg, batch: int, seq: int, dtype: torch.dtype, profile, plan: Plan | None = None) -> tuple:
+def plan_llama(
+    mesh, cfg, batch: int, seq: int, dtype: torch.dtype, profile, plan: Plan | None = None, policy=None
+) -> tuple:
     """The constraints the README shows: batch-split inputs and outputs, parameters split over every
     rank. Given ``plan`` (one solved before, loaded from JSON), the model is traced and constrained
-    alike but not re-planned."""
+    alike but not re-planned. ``policy``: mixed precision (``--mp``); the parameters are then fp32."""
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
+        model = Transformer(cfg).to(torch.float32 if policy is not None else dtype)
     io = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
     input_fn = lambda: torch.randint(0, cfg.vocab_size, (batch, seq))  # noqa: E731
-    with AutoParallel(model, mesh, input_fn, device_profile=profile) as ap:
+    with AutoParallel(model, mesh, input_fn, device_profile=profile, mp_policy=policy) as ap:
         ap.add_input_constraints([io])
         ap.add_output_constraints([io])
         ap.add_memory_constraint(param_fraction=1 / math.prod(mesh.shape))
@@ -183,7 +192,7 @@ def run_distributed(args, cfg, shape, profile) -> int:
     mesh = init_device_mesh(device, shape, mesh_dim_names=("dp", "tp", "cp", "pp")[: len(shape)])
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     try:
-        ap, plan, io = plan_llama(mesh, cfg, args.batch, args.seq_len, dtype, profile)
+        ap, plan, io = plan_llama(mesh, cfg, args.batch, args.seq_len, dtype, profile, policy=mp_policy(args.mp))
     except PLANNING_ERRORS as e:  # every rank plans the same: rank 0 reports it, once
         if dist.get_rank() == 0:
             print(planning_failed(f"{args.model} on mesh {args.mesh}", e), file=sys.stderr)
@@ -210,7 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=32, help="global batch (split over the first mesh dim)")
     parser.add_argument("--device-profile", choices=sorted(DEVICE_PROFILES), default="h100")
     parser.add_argument("--out", default=None, help="plan JSON (default llama3_<model>_<mesh>.json)")
-    parser.add_argument("--execute", action="store_true", help="also train a 2x2 plan on 4 gloo processes")
+    parser.add_argument(
+        "--mp",
+        choices=MP_CHOICES,
+        default=None,
+        help=MP_HELP + " (default bf16 for 8b and 70b, as torchtitan trains them; none for debug)",
+    )
+    parser.add_argument("--execute", action="store_true", help="also train a 2x2 plan (fp32) on 4 gloo processes")
     parser.add_argument("--steps", type=int, default=10, help="training steps under torchrun")
     return parser
 
@@ -219,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg, profile = LLAMA3_CONFIGS[args.model], DEVICE_PROFILES[args.device_profile]
     args.mesh = args.mesh or DEFAULT_MESH[args.model]
+    args.mp = args.mp or DEFAULT_MP[args.model]
     try:
         shape = parse_mesh(args.mesh)
     except ValueError as e:
@@ -230,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_distributed(args, cfg, shape, profile)
 
     try:
-        _, plan, _ = plan_llama(fake_mesh(shape), cfg, args.batch, args.seq_len, torch.bfloat16, profile)
+        policy = mp_policy(args.mp)
+        _, plan, _ = plan_llama(fake_mesh(shape), cfg, args.batch, args.seq_len, torch.bfloat16, profile, policy=policy)
     except PLANNING_ERRORS as e:
         raise SystemExit(planning_failed(f"{args.model} on mesh {args.mesh}", e)) from None
     print(plan.summary())

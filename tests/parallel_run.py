@@ -52,16 +52,20 @@ class Tolerance:
     rel: float
     update: float  # the parameters' total update over the steps, relative norm error
     loss: float  # each step's loss, relative error
+    loss_atol: float  # or absolute error (the mean of a model's outputs is near 0)
 
 
 # updates: AdamW moves an element whose gradient is ~0 by about the learning rate, in the direction
 # of that gradient's sign, which the order of a sum may flip: 1e-4 of the update's norm measured
-FP32 = Tolerance(rtol=1e-5, atol=1e-6, rel=1e-5, update=1e-3, loss=1e-5)
+FP32 = Tolerance(rtol=1e-5, atol=1e-6, rel=1e-5, update=1e-3, loss=1e-5, loss_atol=1e-6)
 # bf16 compute (unit roundoff 2**-9, about 2e-3): a sharded contraction rounds each rank's partial
 # sum to bf16 before they are summed, where one device rounds once, so values differ by a few
-# roundoffs. Measured on LLaMA debug, 8 ranks: losses 0.27%, gradients 0.36% (norm), updates 3.3%;
-# the same policy against an fp32 run differs by 0.7%, 0.8% and 7.9%.
-BF16 = Tolerance(rtol=2e-2, atol=1e-5, rel=1e-2, update=5e-2, loss=5e-3)
+# roundoffs. Measured on LLaMA debug (FSDP, TP and free plans, eager and Inductor, 2x2 and 2x4, three
+# SGD steps): gradients up to 0.69% apart (norm) and 1.5e-5 beyond rtol 2e-2 elementwise, updates
+# 0.93%, losses (means of logits, near 0) 2.5e-5; the same policy against an fp32 run differs by 0.8%
+# (gradients) and 0.87% (updates). Inductor computes a chain of bf16 ops without rounding between
+# them, so it strays from eager bf16 about as far as fp32 does.
+BF16 = Tolerance(rtol=2e-2, atol=1e-4, rel=1e-2, update=2e-2, loss=5e-3, loss_atol=1e-4)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance = FP32) -> bool:
@@ -74,7 +78,8 @@ def same_update(actual: torch.Tensor, expected: torch.Tensor, ref, name: str) ->
     error of its total update is below ``ref.tolerance.update``. AdamW's first steps move each
     element by about the learning rate whatever its gradient's size, so an element whose tiny
     gradient changes sign with the order of a sum moves the other way: elementwise checks do not
-    hold even in fp32, the update's norm does."""
+    hold even in fp32, the update's norm does. In bf16 so many gradients are near enough to 0 that
+    AdamW's updates differ by several percent; SGD's follow the gradients (``optimizer="sgd"``)."""
     start = ref.initial_state[name]
     moved = (expected - start).norm().clamp_min(1e-30)
     err = float((actual - expected).norm() / moved)
@@ -144,19 +149,27 @@ class Reference:
     grads: dict = field(default_factory=dict)  # after the first step
     tolerance: Tolerance = FP32
     final: dict = field(default_factory=dict)  # the parameters after the last step
+    optimizer: str = "adamw"  # what steps both runs: "adamw" (lr 1e-2) or "sgd" (lr 1e-1)
 
 
-def reference_run(name: str, batch_rows: int = 4, policy=None, tolerance: Tolerance = FP32) -> Reference:
-    """Three single-device AdamW steps (loss = mean of the outputs). With a mixed-precision
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2) if name == "adamw" else torch.optim.SGD(params, lr=1e-1)
+
+
+def reference_run(
+    name: str, batch_rows: int = 4, policy=None, tolerance: Tolerance = FP32, optimizer: str = "adamw"
+) -> Reference:
+    """Three single-device optimizer steps (loss = mean of the outputs). With a mixed-precision
     ``policy``, as FSDP2 means it: the optimizer steps fp32 parameters, and each step runs a copy
     of the model whose parameters are cast to ``param_dtype`` (its inputs too, with
     ``cast_forward_inputs``; its outputs cast to ``output_dtype``), the copy's gradients cast back."""
     build, batch_fn = make(name, batch_rows)
     torch.manual_seed(0)
     model = build()
-    ref = Reference(model, [batch_fn(torch.Generator().manual_seed(s)) for s in range(STEPS)], {}, tolerance=tolerance)
+    batches = [batch_fn(torch.Generator().manual_seed(s)) for s in range(STEPS)]
+    ref = Reference(model, batches, {}, tolerance=tolerance, optimizer=optimizer)
     ref.initial_state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = make_optimizer(optimizer, model.parameters())
     work = model
     if policy is not None:
         work = copy.deepcopy(model)
@@ -230,7 +243,7 @@ def parallel_run(mesh, pmod, ref: Reference, compiled: bool, plain=lambda t: t, 
         pmod.init_weights()
     pmod.load_state_dict(ref.initial_state)
     run = torch.compile(pmod, backend=autoplan.run.compile.backend()) if compiled else pmod
-    opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
+    opt = make_optimizer(ref.optimizer, pmod.parameters())
     return_dtensor = pmod._autoplan.return_dtensor
     losses, grads_ok = [], {}
     for step, batch in enumerate(ref.batches):
@@ -301,7 +314,7 @@ def check_run(r: dict) -> None:
     backward add only the FSDP re-gathers, which the plan priced (each regathered move runs again,
     its chain of gathers fused into one collective or not)."""
     tol = r["tolerance"]
-    assert r["losses"] == pytest.approx(r["ref_losses"], rel=tol.loss, abs=tol.atol)
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=tol.loss, abs=tol.loss_atol)
     bad = [n for n, ok in r["grads_ok"].items() if not ok]
     assert not bad, bad
     bad = [n for n, ok in r["final_ok"].items() if not ok]

@@ -372,3 +372,31 @@ def test_only_an_all_reduce_that_alone_reads_a_fresh_tensor_reduces_it_in_place(
     reduced = [n.args[0].name for n in eager.graph.nodes if n.target is c10d.all_reduce_.default]
     assert count == 2 and reduced == [alone.name, viewed.name]
     assert sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes) == 5  # the original stays
+
+
+@pytest.mark.parametrize("placement", [Replicate(), Shard(0)], ids=["replicated", "sharded"])
+def test_the_parallel_module_never_shares_storage_with_what_it_was_given(placement):
+    """A real model's parameters, and a state dict loaded into the parallel module, stay as they
+    were while the parallel module trains: its shards and replicas are copies (a replica made by
+    ``distribute_tensor`` is otherwise the given tensor itself, and a dim-0 shard a view of it)."""
+    from models import MLP
+
+    mesh = fake_mesh((8,))
+    torch.manual_seed(0)
+    model = MLP(32, 64, 32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with AutoParallel(model, mesh, lambda: torch.randn(16, 32)) as ap:
+        ap.add_input_constraints([(Shard(0),)])
+        ap.add_output_constraints([(Shard(0),)])
+        ap.add_node_constraint("*weight", (placement,))
+        pmod = ap.apply_placement(ap.optimize_placement())
+    loaded = {k: v + 1 for k, v in before.items()}
+    kept = {k: v.clone() for k, v in loaded.items()}
+    for source in (None, loaded):
+        if source is not None:
+            pmod.load_state_dict(source)
+        with torch.no_grad():
+            for p in pmod.parameters():
+                p.to_local().mul_(0.5)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(loaded[k], v) for k, v in kept.items())

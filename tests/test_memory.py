@@ -22,30 +22,35 @@ IO = (Shard(0), Replicate())
 
 
 @pytest.mark.parametrize(
-    "model, layers, mesh, recompute, tolerance, prefetch",
+    "model, layers, mesh, recompute, tolerance, prefetch, mp",
     [
-        ("llama3-debug", None, "2x2", None, 0.05, False),
+        ("llama3-debug", None, "2x2", None, 0.05, False, "none"),
+        # mixed precision (fp32 parameters, bf16 compute): -11.1%; on CPU a bf16 matmul allocates
+        # fp32 workspaces the estimate (a GPU's kernels) does not count, a large share of this
+        # 0.9 MiB step (pure bf16: -18.9%) and a small one at 8B dims (+3.5%, below)
+        ("llama3-debug", None, "2x2", None, 0.15, False, "bf16"),
         # each layer's parameter gathers issued while the layer before it computes (~12 s; prefetch's
         # numerics stay in the default run: test_lowering)
-        pytest.param("llama3-debug", None, "2x2", None, 0.05, True, marks=pytest.mark.slow),
+        pytest.param("llama3-debug", None, "2x2", None, 0.05, True, "none", marks=pytest.mark.slow),
         # +20.1% since the backward's regathers are priced (+13.6% before): the plan moves the output
         # layer's activations through views, and the walk over-counts its backward temporaries by
         # ~180 KB of this 0.8 MiB step (not found yet)
-        pytest.param("llama3-debug", None, "2x2", "full", 0.21, False, marks=pytest.mark.slow),
+        pytest.param("llama3-debug", None, "2x2", "full", 0.21, False, "none", marks=pytest.mark.slow),
         # its plan for the unprefetched program (gathers paid, not hidden): +5.1%
-        pytest.param("llama3-debug", None, "2x4", None, 0.06, False, marks=pytest.mark.slow),
+        pytest.param("llama3-debug", None, "2x4", None, 0.06, False, "none", marks=pytest.mark.slow),
         # 8B dims, local batch 1x1024 (~2 min and 3.8, 4.3 and 7.4 GiB each); 2 layers on 16x8 at +5.3%:
         # its embedding now stored (Shard(1), Shard(0)), the gradient's column chunk is over-counted
-        pytest.param("llama3-8b", 2, "16x8", None, 0.06, False, marks=pytest.mark.slow),
-        pytest.param("llama3-8b", 4, "16x8", None, 0.05, False, marks=pytest.mark.slow),
-        pytest.param("llama3-8b", 2, "128", None, 0.05, False, marks=pytest.mark.slow),
+        pytest.param("llama3-8b", 2, "16x8", None, 0.06, False, "none", marks=pytest.mark.slow),
+        pytest.param("llama3-8b", 2, "16x8", None, 0.05, False, "bf16", marks=pytest.mark.slow),
+        pytest.param("llama3-8b", 4, "16x8", None, 0.05, False, "none", marks=pytest.mark.slow),
+        pytest.param("llama3-8b", 2, "128", None, 0.05, False, "none", marks=pytest.mark.slow),
         # a mixture of experts: the routed capacity buffers, expert matmuls and all-to-alls
-        pytest.param("moe-debug", None, "2x2", None, 0.05, False, marks=pytest.mark.slow),  # ~25 s
-        pytest.param("moe-debug", None, "2x2", None, 0.05, True, marks=pytest.mark.slow),
-        pytest.param("deepseek-v3-16b", 2, "16x8", None, 0.05, False, marks=pytest.mark.slow),
+        pytest.param("moe-debug", None, "2x2", None, 0.05, False, "none", marks=pytest.mark.slow),  # ~25 s
+        pytest.param("moe-debug", None, "2x2", None, 0.05, True, "none", marks=pytest.mark.slow),
+        pytest.param("deepseek-v3-16b", 2, "16x8", None, 0.05, False, "none", marks=pytest.mark.slow),
     ],
 )
-def test_estimated_peak_is_within_15_percent_of_measured(model, layers, mesh, recompute, tolerance, prefetch):
+def test_estimated_peak_is_within_15_percent_of_measured(model, layers, mesh, recompute, tolerance, prefetch, mp):
     """Rank 0's lowered step (fp32) runs for real on the fake process group (allocations tracked by
     the profiler's memory timeline) beside the plan's liveness-walk estimate. Without recompute the
     two agree within 5%: +0.0% on LLaMA-3 debug 2x2, -0.8% on the MoE debug model on 2x2 and +4.5%
@@ -56,7 +61,9 @@ def test_estimated_peak_is_within_15_percent_of_measured(model, layers, mesh, re
     nested shard's chunk of a gathered weight saved for the backward instead of re-gathered, and
     the logits' gradient held by the autograd engine to the backward's end, where the embedding's
     gradient is made whole (-17% on 4 layers when left out; +16% on 2 layers with it while a
-    move's buffers were still summed with its op's output and with the gradient it reduces)."""
+    move's buffers were still summed with its op's output and with the gradient it reduces). Under
+    mixed precision (``--mp bf16``: fp32 parameters, bf16 casts re-made in the backward) +3.5% on
+    8B dims (2 layers) on 16x8."""
     fake_mesh((8,))
     args = argparse.Namespace(
         model=model,
@@ -66,6 +73,7 @@ def test_estimated_peak_is_within_15_percent_of_measured(model, layers, mesh, re
         batch=2 if layers is None else 1,
         seq=None if layers is None else 1024,
         dtype="float32",
+        mp=mp,
         json=None,
         recompute=recompute,
         prefetch=prefetch,

@@ -187,7 +187,7 @@ def test_mixed_precision_matches_one_device_under_local_tensor(pins, compiled):
     """Three AdamW steps on 8 simulated ranks: losses, first gradients and the fp32 parameters after
     the last step match one device running the same policy (``parallel_run.BF16``'s tolerances)."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
-    ref = reference_run("llama", batch_rows=8, policy=MP, tolerance=BF16)
+    ref = reference_run("llama", batch_rows=8, policy=MP, tolerance=BF16, optimizer="sgd")
     plan, lowered, pmod = plan_and_apply(mesh, "llama", pins, batch_rows=8, settings={"mp_policy": MP})
     with LocalTensorMode(8):
         r = parallel_run(mesh, pmod, ref, compiled, plain=one_value)

@@ -145,7 +145,7 @@ def test_readme_shows_the_commands_it_promises():
     """The parse found the README's commands (a change of its layout must not leave this test empty)."""
     assert "python examples/example_llama3.py" in COMMANDS
     assert "python examples/example_llama3.py --model debug --execute" in COMMANDS
-    assert "autoplan plan --model llama3-8b --mesh 16x8 -o plan.json" in COMMANDS
+    assert "autoplan plan --model llama3-8b --mesh 16x8 --mp bf16 -o plan.json" in COMMANDS
     assert {kind(c) for c in COMMANDS} == {"run", "slow", "parse"}
 
 
@@ -190,7 +190,8 @@ def check_output(command: str, out: str, cwd: Path) -> None:
         assert "autoplan plan on mesh (dp=16, tp=8)" in out and "layers.*.attention.wq.weight" in out
         plan = Plan.from_json(cwd / "llama3_8b_16x8.json")
         assert plan.mesh_shape == (16, 8) and len(plan.param_placements) == 2 + 9 * 32 + 1
-        assert plan.memory.param_bytes <= 8.1e9 * 2 / 128  # the 1/128 parameter budget held
+        assert plan.memory.param_bytes <= 8.1e9 * 4 / 128  # the 1/128 budget of the fp32 parameters held
+        assert plan.precision == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}  # 8B: mixed precision
     elif words[:2] == ["autoplan", "plan"]:
         out_file = words[words.index("-o") + 1]
         assert Plan.from_json(cwd / out_file).summary() in out

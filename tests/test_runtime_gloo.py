@@ -10,6 +10,7 @@ import pytest
 import torch
 from gloo import run_gloo
 from parallel_run import (
+    BF16,
     FSDP,
     LLAMA_TP,
     MLP_TP,
@@ -26,11 +27,24 @@ from torch.distributed.tensor import Shard
 
 
 def _run_config(
-    mesh, name: str, pins, compiled: bool, return_dtensor: bool, reshard: bool = True, round_trips: bool = True
+    mesh,
+    name: str,
+    pins,
+    compiled: bool,
+    return_dtensor: bool,
+    reshard: bool = True,
+    round_trips: bool = True,
+    policy=None,
 ) -> dict:
-    ref = reference_run(name)
+    ref = reference_run(name, policy=policy, **({} if policy is None else {"tolerance": BF16, "optimizer": "sgd"}))
     plan, lowered, pmod = plan_and_apply(
-        mesh, name, pins, return_dtensor=return_dtensor, reshard_after_forward=reshard, remove_round_trips=round_trips
+        mesh,
+        name,
+        pins,
+        settings={"mp_policy": policy},
+        return_dtensor=return_dtensor,
+        reshard_after_forward=reshard,
+        remove_round_trips=round_trips,
     )
     return parallel_run(mesh, pmod, ref, compiled) | {"ref_losses": ref.losses} | graph_report(plan, lowered)
 
@@ -57,6 +71,20 @@ def test_llama_debug():
     _check(results, 1)
     assert results[0][0]["regathers"] > 0
     assert any("Shard" in v for v in results[0][0]["params"].values())
+
+
+@pytest.mark.slow  # by default test_precision runs mixed precision on 8 simulated ranks
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_llama_debug_mixed_precision(compiled):
+    """fp32 parameters and optimizer, bf16 compute and gathers, fp32 gradient reductions
+    (``MixedPrecisionPolicy``), on real gloo collectives: FSDP and TP pins train three steps as one
+    device running the same policy does (``parallel_run.BF16``'s tolerances)."""
+    from test_precision import MP
+
+    configs = [(FSDP, compiled, False, True, True, MP), (LLAMA_TP, compiled, False, True, True, MP)]
+    results = run_gloo(_worker, 4, "llama", configs)
+    _check(results, len(configs))
+    assert results[0][0]["regathers"] > 0
 
 
 @pytest.mark.slow

@@ -164,7 +164,46 @@ def run_plan(args: argparse.Namespace) -> dict:
     chosen = sorted({f"{o}: {sum(v == o for v in plan.recompute.values())} layers" for o in plan.recompute.values()})
     cap = f" (cap {args.cap:g} GiB)" if getattr(args, "cap", None) else ""
     print(f"estimated peak {plan.memory.peak_bytes / 2**30:.2f} GiB per device{cap}, recompute {chosen or 'none'}")
+    if mp_policy(getattr(args, "mp", None)) is not None:
+        result["precisions"] = _precision_contrast(args, plan)
     return result
+
+
+def _moved_mib(plan, kinds: tuple[str, ...]) -> float:
+    """MiB one rank sends into the plan's collectives of ``kinds`` in a step (its shard of each
+    moved tensor, in the dtype moved; the backward's regathers included)."""
+    return sum(r.nbytes for r in plan.redistributions if any(k in kinds for k, _ in r.collectives)) / 2**20
+
+
+def _precision_contrast(args: argparse.Namespace, plan) -> dict:
+    """The mixed-precision plan beside the same model planned in pure bf16 and in pure fp32: what
+    each costs, the bytes its gathers and reductions move, and how many parameters are placed
+    otherwise than the mixed plan places them."""
+    rows = {"mixed": plan}
+    for dtype in ("bfloat16", "float32"):
+        rows[dtype] = _planned(argparse.Namespace(**vars(args) | {"mp": "none", "dtype": dtype}))[1]
+    print(
+        f"\n{'precision':<10} {'step ms':>9} {'compute':>9} {'comm':>9} {'peak GiB':>9} {'gather MiB':>11}"
+        f" {'reduce MiB':>11}  parameters placed otherwise"
+    )
+    out = {}
+    for name, p in rows.items():
+        c = p.cost
+        out[name] = {
+            "step_ms": c.total * 1e3,
+            "compute_ms": (c.compute_forward + c.compute_backward) * 1e3,
+            "comm_ms": c.comm * 1e3,
+            "peak_gib": p.memory.peak_bytes / 2**30,
+            "gather_mib": _moved_mib(p, ("all_gather",)),
+            "reduce_mib": _moved_mib(p, ("reduce_scatter", "all_reduce")),
+            "params_placed_otherwise": 0 if p is plan else sum(plan.diff(p).params.values()),
+        }
+        r = out[name]
+        print(
+            f"{name:<10} {r['step_ms']:>9.2f} {r['compute_ms']:>9.2f} {r['comm_ms']:>9.2f} {r['peak_gib']:>9.2f}"
+            f" {r['gather_mib']:>11.1f} {r['reduce_mib']:>11.1f}  {r['params_placed_otherwise']}"
+        )
+    return out
 
 
 def run_apply(args: argparse.Namespace) -> dict:

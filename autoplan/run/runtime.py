@@ -311,11 +311,13 @@ def _check_inputs(flat: list[torch.Tensor], state: _State) -> None:
 
 
 def _dtensor_like(t: torch.Tensor, mesh: DeviceMesh, placements: Placements) -> torch.Tensor:
-    """Shard a real tensor onto the mesh, or make a meta DTensor of the right local shape."""
+    """Shard a copy of a real tensor onto the mesh (the model's own tensors are left as they were:
+    a shard or a replica of them would otherwise be their storage), or make a meta DTensor of the
+    right local shape."""
     if t.device.type == "meta":
         local = torch.empty(local_shape(t.shape, mesh, placements), dtype=t.dtype, device="meta")
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
-    return distribute_tensor(t.detach().to(mesh.device_type), mesh, placements)
+    return distribute_tensor(t.detach().to(mesh.device_type, copy=True), mesh, placements)
 
 
 def _distribute_full_state(module, state_dict, prefix, *args):
@@ -324,7 +326,10 @@ def _distribute_full_state(module, state_dict, prefix, *args):
         key = prefix + name
         value = state_dict.get(key)
         if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            shards = distribute_tensor(value.to(current.device), current.device_mesh, current.placements)
+            # a copy: a replicated placement's local tensor would be the caller's own tensor (and
+            # the broadcast writes into it), which training would then update in place
+            full = value.detach().to(current.device, copy=True)
+            shards = distribute_tensor(full, current.device_mesh, current.placements)
             # adopt the shard storage itself: under a simulated world (LocalTensorMode) a local tensor
             # made by ``to_empty`` outside the simulation is shared by all ranks, so copy_ cannot fill it
             set_local_tensor(current, per_rank(local_tensor(shards).detach()))

@@ -499,6 +499,7 @@ class Planner:
             overlap_budget=priced.budget,
             signature=mismatch.signature(tg),
             prefetch=self.prefetch,
+            precision=tg.precision,
         )
 
     def _warn_if_stopped_early(self, solved: UnitChoice) -> None:

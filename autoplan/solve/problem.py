@@ -144,8 +144,11 @@ def _edge(strats, root, price: Matrix, ur: fx.Node, k: int, cr: fx.Node, slot, o
     return _Edge(*parts, None, None, (src_unit, dst_unit, src_label.tobytes(), dst_label.tobytes()))
 
 
-def _reduces(srcs: list, dsts: list) -> np.ndarray:
-    """True where moving placements ``srcs[o]`` to ``dsts[q]`` sums partial values on some mesh dim."""
+def _sums_partials(srcs: list, dsts: list) -> np.ndarray:
+    """True where moving placements ``srcs[o]`` to ``dsts[q]`` sums partial values on some mesh dim.
+    Every such sum of a gradient is held to the reduce dtype, over any mesh dim: mesh dims carry no
+    role, and a planner free to sum over some of them in the compute dtype (as FSDP2 with tensor
+    parallelism sums TP partials) sums the costly data-parallel partials there instead."""
     return np.array(
         [[any(a.is_partial() and not b.is_partial() for a, b in zip(s, d)) for d in dsts] for s in srcs], dtype=bool
     ).reshape(len(srcs), len(dsts))
@@ -439,8 +442,8 @@ def build_problem(
         meta = tensor_meta(output_vals(ur)[k])
         runs = cost_model.reruns(edge.srcs, edge.dsts, meta) * mult if again else mult  # a regather, or none
         cost = edge.cost * runs
-        if ur.meta.get(KEEP_PARTIAL):  # a gradient reduced in the policy's reduce_dtype, after its cast
-            cost = np.where(_reduces(edge.srcs, edge.dsts), np.inf, cost)
+        if ur.meta.get(KEEP_PARTIAL):  # a gradient's sums are in the policy's reduce dtype
+            cost = np.where(_sums_partials(edge.srcs, edge.dsts), np.inf, cost)
         name = shared.hiding.segment_of(ur, cr, slot == "out", again)
         if name is not None:  # only its collectives hide: its copies run in line with compute
             seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, meta)

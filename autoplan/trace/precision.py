@@ -62,6 +62,16 @@ def check_policy(policy) -> MixedPrecisionPolicy | None:
     return policy
 
 
+def describe(policy: MixedPrecisionPolicy | None) -> dict[str, str]:
+    """The policy's dtypes by field (``"param_dtype": "bfloat16"``), the fields it sets only; the
+    reduce dtype FSDP2 falls back to (the compute dtype) is spelled out."""
+    if policy is None or policy.param_dtype is None:
+        return {}
+    fields = {"param_dtype": policy.param_dtype, "reduce_dtype": policy.reduce_dtype or policy.param_dtype}
+    fields["output_dtype"] = policy.output_dtype
+    return {k: str(v).removeprefix("torch.") for k, v in fields.items() if v is not None}
+
+
 def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str]]:
     """The parameter slots whose casts ``module``'s forward makes: its own, and those of children
     that have no forward of their own to cast them (``nn.ParameterList``, ``nn.ParameterDict``,

@@ -62,6 +62,7 @@ class TracedGraph:
     # follow the model's own outputs, stay replicated like their buffers and are copied back after a step
     written_buffers: dict[int, str] = field(default_factory=dict)
     inputs: InputSpec | None = None  # the traced call: its tensors are the "input" placeholders, in order
+    precision: dict[str, str] = field(default_factory=dict)  # the mixed-precision policy traced, by field
     returns: OutputSpec | None = None  # what forward returned: its tensors are the "output" outputs, in order
 
     @property
@@ -642,4 +643,5 @@ def trace_joint(
         written_buffers={i: _strip(("", fqn))[1] for i, fqn in written.items()},
         inputs=inputs,
         returns=wrapper.returns,
+        precision=precision.describe(wrapper.policy),
     )
