@@ -119,21 +119,22 @@ def casting(root: nn.Module, policy: MixedPrecisionPolicy | None, prefix: str = 
             h.remove()
 
 
+def _floats_to(value, dtype: torch.dtype | None):
+    """``value`` with its floating-point tensors cast to ``dtype`` (unchanged where it is ``None``)."""
+    if dtype is None:
+        return value
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.dtype.is_floating_point else t, value)
+
+
 def cast_inputs(value, policy: MixedPrecisionPolicy | None):
     """The forward's arguments with their floating-point tensors in ``param_dtype``
     (``cast_forward_inputs``), as FSDP2 casts a root module's inputs."""
-    if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
-        return value
-    dtype = policy.param_dtype
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.dtype.is_floating_point else t, value)
+    return _floats_to(value, policy.param_dtype if policy is not None and policy.cast_forward_inputs else None)
 
 
 def cast_outputs(value, policy: MixedPrecisionPolicy | None):
     """The forward's outputs with their floating-point tensors in ``output_dtype``, when it is set."""
-    if policy is None or policy.output_dtype is None:
-        return value
-    dtype = policy.output_dtype
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.dtype.is_floating_point else t, value)
+    return _floats_to(value, None if policy is None else policy.output_dtype)
 
 
 def _gradient_chain(gradient: fx.Node) -> list[fx.Node]:

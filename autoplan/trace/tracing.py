@@ -630,9 +630,7 @@ def trace_joint(
         for node in gm.graph.find_nodes(op="call_function", target=check):
             node.meta.setdefault("val", None)  # no output
     _mark_phases(gm, sum(1 for lab in out_labels if lab[0] == "output"))
-    outs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    precision.mark_reduced_gradients([o for o, lab in zip(outs, out_labels) if lab[0] == "grad_param"], mp_policy)
-    return TracedGraph(
+    tg = TracedGraph(
         gm=gm,
         input_labels=[_strip(lab) for lab in in_labels],
         output_labels=[_strip(lab) for lab in out_labels],
@@ -645,3 +643,5 @@ def trace_joint(
         returns=wrapper.returns,
         precision=precision.describe(wrapper.policy),
     )
+    precision.mark_reduced_gradients(list(tg.outputs_of("grad_param").values()), wrapper.policy)
+    return tg
