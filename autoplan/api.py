@@ -27,6 +27,7 @@ from autoplan.heap import collector_paused
 from autoplan.lower.lowering import LoweringOptions, collectives_per_layer, lower
 from autoplan.lower.passes import alias_roundtrip
 from autoplan.lower.passes.alias_roundtrip import ALIAS_KEY, RoundTripStats, insert_aliases
+from autoplan.lower.passes.bucketing import DEFAULT_BUCKET_BYTES
 from autoplan.plan import Plan, placements_str
 from autoplan.run.compile import RegionStats, compile_regions
 from autoplan.run.runtime import build_parallel_module, make_executor
@@ -112,22 +113,32 @@ def _pass_report(plan: Plan, applied: Plan, trips: RoundTripStats, lowered) -> d
 
     Before: the solved plan's redistributions. After round trips: the rewired plan's (``local`` counts
     shard-slicing steps, which is what a removed round trip's return leg usually is). After all
-    passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added),
-    and of those, what one repeated layer runs in each phase.
+    passes: what the lowered forward and backward graphs run (gathers fused, FSDP re-gathers added,
+    collectives bucketed), and of those, what one repeated layer runs in each phase, before and
+    after bucketing.
     """
     return {
         "round_trips_removed": trips.removed,
         "aliases_dropped": trips.aliases_dropped,
         "gather_chains_fused": lowered.gather_fusion.fused,
         "gather_chains_rejected": lowered.gather_fusion.rejected,
+        "reduce_scatter_chains_fused": lowered.scatter_fusion.fused,
+        "all_reduce_chains_fused": lowered.reduce_fusion.fused,
         "recompute_chains_tagged": lowered.recompute.chains,
         "recompute_nodes_tagged": lowered.recompute.nodes,
         "activation_recompute_nodes": lowered.activation_recompute,
         "all_reduce_waits_sunk": lowered.waits.sunk,
         "gathers_prefetched": lowered.prefetch.gathers,
+        "collectives_bucketed": lowered.buckets.merged,
+        "buckets": lowered.buckets.buckets,
         **{f"{k}_before_passes": v for k, v in plan.collective_counts().items()},
         **{f"{k}_after_round_trips": v for k, v in applied.collective_counts().items()},
         **{f"{k}_after_passes": v for k, v in _executed_collectives(lowered).items()},
+        **{
+            f"{k}_per_layer_{phase}_before_bucketing": v
+            for phase, counts in lowered.unbucketed_per_layer.items()
+            for k, v in counts.items()
+        },
         **{f"{k}_per_layer_forward": v for k, v in collectives_per_layer(lowered.forward).items()},
         **{f"{k}_per_layer_backward": v for k, v in collectives_per_layer(lowered.backward).items()},
     }
@@ -524,6 +535,7 @@ class AutoParallel:
         reshard_after_forward: bool = True,
         fuse_gathers: bool = True,
         prefetch: bool | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         remove_round_trips: bool = True,
         compile: bool = False,
     ) -> nn.Module:
@@ -534,11 +546,14 @@ class AutoParallel:
         ``load_state_dict`` of a full state dict. With ``remove_round_trips`` consumers that want a
         value in its producer's placement read it there instead of through a differently placed
         alias; with ``reshard_after_forward`` (FSDP's contract) the backward re-gathers sharded
-        parameters instead of keeping the gathered copies; with ``fuse_gathers`` chained per-mesh-dim
-        all-gathers become one over the flattened mesh; with ``prefetch`` (by default as the planner
-        was told, see the class) each parameter's gather is issued a layer ahead of its use and
-        waited for where it is read (NCCL meshes: gloo cannot run it, see ``LoweringOptions.check``).
-        ``plan.passes`` reports what the passes did
+        parameters instead of keeping the gathered copies; with ``fuse_gathers`` chained
+        per-mesh-dim all-gathers (reduce-scatters, all-reduces) become one over the flattened mesh;
+        with ``prefetch`` (by default as the planner was told, see the class) each parameter's
+        gather is issued a layer ahead of its use and
+        waited for where it is read (NCCL meshes: gloo cannot run it, see ``LoweringOptions.check``);
+        the collectives a layer issues together (its weights' gathers, its gradients' reductions)
+        run as one on a flat buffer of at most ``bucket_bytes`` (``lower.passes.bucketing``; 0: one
+        collective per move). ``plan.passes`` reports what the passes did
         and the collectives before and after them; the plan actually lowered is ``self.applied_plan``.
         With ``compile`` the forward and backward graphs run through Inductor region by region:
         identical layers share one compiled region, so deep models compile in seconds
@@ -556,7 +571,7 @@ class AutoParallel:
                 applied, trips = plan, RoundTripStats(0, 0)
             rerun = frozenset(n.name for n in recompute.chosen_nodes(tg.gm.graph, applied.recompute))
             ahead = self.prefetch if prefetch is None else prefetch
-            options = LoweringOptions(reshard_after_forward, fuse_gathers, ahead)
+            options = LoweringOptions(reshard_after_forward, fuse_gathers, ahead, bucket_bytes)
             lowered = lower(tg, applied, self.mesh, self._output_placements(), options, rerun)
         regions: dict[fx.GraphModule, RegionStats] = {}
 

@@ -128,6 +128,11 @@ class CostBreakdown:
     recompute: float = 0.0  # forward ops the backward runs again (compute and input moves)
     hidden_comm: float = 0.0  # communication that runs under compute (``autoplan.cost.overlap``)
     ideal_compute: float = 0.0  # the step's model FLOPs at the devices' peak rate, spread over all of them
+    # what the buckets' latency adds to the step beyond the shares of it the moves paid: each bucket
+    # of a layer's parameter or gradient moves pays one launch and latency, and the ILP prices each
+    # move at its share (``Move.share``), so it is 0 where a plan moves all of a layer's, and the
+    # ILP's objective is ``total - bucket_latency``
+    bucket_latency: float = 0.0
 
     @property
     def comm(self) -> float:
@@ -420,7 +425,15 @@ _HEAVY_OPS = {
 }
 
 
-_PASS_STAGES = ("before_passes", "after_round_trips", "after_passes", "per_layer_forward", "per_layer_backward")
+_PASS_STAGES = (
+    "before_passes",
+    "after_round_trips",
+    "after_passes",
+    "per_layer_forward_before_bucketing",
+    "per_layer_backward_before_bucketing",
+    "per_layer_forward",
+    "per_layer_backward",
+)
 
 
 def _pass_lines(passes: dict[str, int]) -> list[str]:

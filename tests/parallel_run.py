@@ -11,6 +11,7 @@ from conftest import expected_on_cpu
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from autoplan.lower.collectives import collective_kind, is_c10d
+from autoplan.lower.passes.bucketing import members
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY
 from autoplan.trace import grouped_mm
 
@@ -287,6 +288,8 @@ def graph_report(plan, lowered) -> dict:
         "params": {k: str(v) for k, v in plan.param_placements.items()},
         "round_trips": plan.passes["round_trips_removed"],
         "fused": lowered.gather_fusion.fused,
+        "fused_scatters": lowered.scatter_fusion.fused,
+        "fused_reduces": lowered.reduce_fusion.fused,
         "recompute": plan.recompute,
         "recomputed_ops": lowered.activation_recompute,
         "regathers": sum(
@@ -295,6 +298,7 @@ def graph_report(plan, lowered) -> dict:
             if n.meta.get(RECOMPUTE_KEY) and getattr(n.target, "_opname", "") == "all_gather_into_tensor"
         ),
         "reruns": rerun_collectives(lowered.backward),
+        "bucketed": dict(lowered.buckets.saved),
     }
 
 
@@ -304,7 +308,7 @@ def rerun_collectives(backward) -> dict[str, int]:
     for n in backward.graph.nodes:
         kind = collective_kind(n)
         if n.meta.get(RECOMPUTE_KEY) and kind and is_c10d(n):
-            reruns[kind] = reruns.get(kind, 0) + 1
+            reruns[kind] = reruns.get(kind, 0) + members(n)
     return reruns
 
 
@@ -322,11 +326,16 @@ def check_run(r: dict) -> None:
     planned = expected_on_cpu(r["planned"])
     if r["fused"]:
         planned["all_gather"] -= r["fused"]
+    if r["fused_scatters"]:
+        planned["reduce_scatter"] -= r["fused_scatters"]
+    if r["fused_reduces"]:
+        planned["all_reduce"] -= r["fused_reduces"]
     assert r["lowered"] == planned
     fwd, bwd = r["forward"], r["backward"]
     regathers = r["planned_regathers"] if r["recompute_chains"] else []  # else kept, not re-gathered
     assert len(regathers) <= sum(r["reruns"].values()) <= sum(regathers), (regathers, r["reruns"])
-    expected = {k: v + r["reruns"].get(k, 0) for k, v in r["lowered"].items()}
+    # bucketing runs some of forward's and backward's collectives as one
+    expected = {k: v + r["reruns"].get(k, 0) - r["bucketed"].get(k, 0) for k, v in r["lowered"].items()}
     assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in r["lowered"]} == expected
 
 

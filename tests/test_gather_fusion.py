@@ -7,7 +7,11 @@ from conftest import fake_mesh
 from gloo import run_gloo
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoplan.lower.passes.gather_fusion import fuse_gather_chains
+from autoplan.lower.passes.gather_fusion import (
+    fuse_all_reduce_chains,
+    fuse_gather_chains,
+    fuse_reduce_scatter_chains,
+)
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -109,3 +113,64 @@ def _numerics_worker(rank: int, first_dim: int) -> bool:
 )
 def test_fused_gather_matches_on_gloo(first_dim):
     assert all(run_gloo(_numerics_worker, 4, first_dim))
+
+
+def reduction_chain_graph(mesh, first_dim: int, scatter: bool = True):
+    """x -> reduce_scatter(first_dim) -> wait -> reduce_scatter(other dim) -> wait -> output, or
+    the same with all-reduces."""
+    g = fx.Graph()
+    with FakeTensorMode():
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(8, 3)
+        node = x
+        for dim in (first_dim, 1 - first_dim):
+            n, group = mesh.shape[dim], mesh.get_group(dim).group_name
+            rows = node.meta["val"].shape[0] // n if scatter else 8
+            if scatter:
+                node = g.call_function(c10d.reduce_scatter_tensor.default, (node, "sum", n, group))
+            else:
+                node = g.call_function(c10d.all_reduce.default, (node, "sum", group))
+            node.meta["val"] = torch.empty(rows, 3)
+            node = g.call_function(c10d.wait_tensor.default, (node,))
+            node.meta["val"] = torch.empty(rows, 3)
+    g.output([node])
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("first_dim", [0, 1], ids=["dp-first (row-major)", "tp-first (column-major)"])
+def test_a_reduce_scatter_chain_becomes_one_with_the_same_values(first_dim):
+    """A gradient reduce-scattered over dp then tp (or tp then dp) runs as one reduce-scatter over
+    the whole mesh, each rank getting the same chunk with the same sum (four simulated ranks)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    mesh = fake_mesh((2, 2))
+    gm = reduction_chain_graph(mesh, first_dim)
+    x = LocalTensor({r: torch.arange(24.0).reshape(8, 3) * (r + 1) + r for r in range(4)})
+    with LocalTensorMode(4):
+        expected = gm(x)[0]
+    assert fuse_reduce_scatter_chains(gm.graph, mesh).fused == 1
+    gm.recompile()
+    (scatter,) = [n for n in gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert scatter.args[2] == 4
+    assert count(gm, aten.transpose.int) == first_dim  # tp first: the input's chunks are reordered
+    with LocalTensorMode(4):
+        got = gm(x)[0]
+    assert all(torch.equal(got._local_tensors[r], expected._local_tensors[r]) for r in range(4))
+
+
+def test_an_all_reduce_chain_becomes_one_with_the_same_values():
+    """A replicated weight's gradient all-reduced over dp then tp runs as one all-reduce over the
+    whole mesh, with the same sums (four simulated ranks)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    mesh = fake_mesh((2, 2))
+    gm = reduction_chain_graph(mesh, 0, scatter=False)
+    x = LocalTensor({r: torch.arange(24.0).reshape(8, 3) * (r + 1) + r for r in range(4)})
+    with LocalTensorMode(4):
+        expected = gm(x)[0]
+    assert fuse_all_reduce_chains(gm.graph, mesh).fused == 1
+    gm.recompile()
+    assert count(gm, c10d.all_reduce.default) == 1
+    with LocalTensorMode(4):
+        got = gm(x)[0]
+    assert all(torch.equal(got._local_tensors[r], expected._local_tensors[r]) for r in range(4))

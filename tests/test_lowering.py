@@ -39,6 +39,9 @@ def test_lowered_collectives_are_exactly_the_planned_ones(lowered_llama):
     first = dataclasses.replace(plan, redistributions=[r for r in plan.redistributions if not r.again])
     planned = expected_on_cpu(first.collective_counts())
     planned["all_gather"] -= lowered.gather_fusion.fused  # each fused chain: two gathers became one
+    planned["reduce_scatter"] -= lowered.scatter_fusion.fused
+    if lowered.reduce_fusion.fused:
+        planned["all_reduce"] -= lowered.reduce_fusion.fused
     assert lowered.collective_counts() == planned
     fwd, bwd = count_collectives(lowered.forward), count_collectives(lowered.backward)
     # partitioning drops nothing and re-runs only the parameter gathers tagged for recompute: one
@@ -47,8 +50,8 @@ def test_lowered_collectives_are_exactly_the_planned_ones(lowered_llama):
     regathers = [r for r in plan.redistributions if r.again and r.collectives]
     assert regathers and all({k for k, _ in r.collectives} == {"all_gather"} for r in regathers)
     assert reruns == {"all_gather": len(regathers)}
-    joint = lowered.collective_counts()
-    expected = {k: v + reruns.get(k, 0) for k, v in joint.items()}
+    joint, bucketed = lowered.collective_counts(), dict(lowered.buckets.saved)
+    expected = {k: v + reruns.get(k, 0) - bucketed.get(k, 0) for k, v in joint.items()}
     assert {k: fwd.get(k, 0) + bwd.get(k, 0) for k in joint} == expected
     # every gradient arrives in its parameter's (sharded) placement through reduce-scatters: the
     # plan has no all-reduce of a gradient, so the graph has no extra one either
@@ -123,15 +126,16 @@ def _unsharded_parameter(node, params) -> bool:
 
 
 def _saved_gathered_params(lowered) -> list:
-    joint_nodes = {n.name: n for n in lowered.joint.graph.nodes}
-    params = {
-        n
+    """The forward's saved values that are gathered parameters (bucketed gathers included)."""
+    names = {
+        n.name
         for n, (kind, _) in zip(lowered.joint.graph.find_nodes(op="placeholder"), lowered.input_labels)
         if kind == "param"
     }
+    params = {n for n in lowered.forward.graph.find_nodes(op="placeholder") if n.name in names}
     out = next(n for n in lowered.forward.graph.nodes if n.op == "output")
     saved = [a for a in out.args[0][lowered.n_outputs :] if isinstance(a, torch.fx.Node)]
-    return [a.name for a in saved if _unsharded_parameter(joint_nodes[a.name], params)]
+    return [a.name for a in saved if _unsharded_parameter(a, params)]
 
 
 def test_fsdp_plan_saves_no_gathered_parameter_for_backward(lowered_llama):
@@ -199,7 +203,7 @@ def test_a_nested_shards_chunk_of_a_gathered_weight_is_re_gathered():
     stats = tag_parameter_gathers(gm.graph, {w})
     picked = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.index_select.default)
     assert stats.chains == 1 and picked.meta.get(RECOMPUTE_KEY)
-    forward, backward_gm, _ = partition(gm, 1)
+    backward_gm = partition(gm, 1).backward
     saved = [n for n in backward_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangent")]
     inputs = {n.name for n in gm.graph.find_nodes(op="placeholder")}
     assert [n.name for n in saved if n.name not in inputs and n.meta["val"].numel() > 2] == []
@@ -253,7 +257,8 @@ def test_gradient_all_reduces_are_waited_for_where_read_and_keep_the_numerics():
 
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run("llama", batch_rows=8)
-    plan, lowered, pmod = plan_and_apply(mesh, "llama", [("*weight", (R, R))], batch_rows=8)
+    # each reduction on its own, to see each wait move (``test_bucketing`` covers buckets' waits)
+    plan, lowered, pmod = plan_and_apply(mesh, "llama", [("*weight", (R, R))], batch_rows=8, bucket_bytes=0)
     backward = list(lowered.backward.graph.nodes)
     at = {n: i for i, n in enumerate(backward)}
     reduces = [n for n in backward if n.target is c10d.all_reduce.default]
@@ -301,11 +306,14 @@ def test_parameter_gathers_are_issued_a_layer_ahead_and_keep_the_numerics(compil
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run("llama", batch_rows=8)
     pins, prefetched = [("*weight", (S0, R))], {"prefetch": True}  # planned for the prefetching program
-    _, plain, _ = plan_and_apply(mesh, "llama", pins, batch_rows=8, settings=prefetched, prefetch=False)
-    plan, lowered, pmod = plan_and_apply(mesh, "llama", pins, batch_rows=8, settings=prefetched, compile=compiled)
+    each = {"bucket_bytes": 0}  # each weight's gather on its own (``test_bucketing`` prefetches buckets)
+    _, plain, _ = plan_and_apply(mesh, "llama", pins, batch_rows=8, settings=prefetched, prefetch=False, **each)
+    plan, lowered, pmod = plan_and_apply(
+        mesh, "llama", pins, batch_rows=8, settings=prefetched, compile=compiled, **each
+    )
     assert plain.prefetch.gathers == 0 and lowered.prefetch.gathers == plan.passes["gathers_prefetched"]
     # one gather per weight of a layer each way (seven matmul weights, two norms), one reduction back
-    per_layer = {k: v for k, v in plan.passes.items() if "_per_layer_" in k}
+    per_layer = {k: v for k, v in plan.passes.items() if "_per_layer_" in k and "bucketing" not in k}
     assert per_layer == {
         "all_gather_per_layer_forward": 9,
         "all_gather_per_layer_backward": 9,

@@ -136,6 +136,7 @@ def run_plan(args: argparse.Namespace) -> dict:
         "layers_stamped": ap.traced.stamped,
         "ilp": plan.ilp.to_dict(),
         "objective_s": plan.cost.total,
+        "bucket_latency_s": plan.cost.bucket_latency,
         "cap_gib": getattr(args, "cap", None),
         "estimated_peak_bytes": plan.memory.peak_bytes,
         "recompute": plan.recompute,

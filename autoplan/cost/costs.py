@@ -28,7 +28,7 @@ from autoplan.adapters.dtensor import (
 )
 from autoplan.cost.compute import compute_dtype, flops_of, is_free, kernel_kind
 from autoplan.cost.devices import H100_SXM, DeviceProfile, thinness
-from autoplan.cost.network import MeshTopology
+from autoplan.cost.network import MeshTopology, collective_seconds
 from autoplan.cost.transfers import (
     Transfer,
     TransferKind,
@@ -145,9 +145,18 @@ class UnsupportedRedistribution(ValueError):
 class CostModel:
     """Costs of compute and redistribution for one (mesh, topology, profile); caches keyed accordingly."""
 
-    def __init__(self, mesh: DeviceMesh, profile: DeviceProfile = H100_SXM, expert_imbalance: float = 1.0) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        profile: DeviceProfile = H100_SXM,
+        expert_imbalance: float = 1.0,
+        *,
+        latency_share: float = 1.0,
+    ) -> None:
         self.mesh = mesh
         self.profile = profile
+        self.latency_share = latency_share  # of each collective's launch and latency (``sharing``)
+        self._sharing: dict[float, CostModel] = {}
         self.expert_imbalance = expert_imbalance  # the busiest expert-parallel rank's tokens over the mean
         self.topology = MeshTopology.from_mesh(mesh, profile.gpus_per_node)
         # a step of several ranks waits for the slowest at each blocking collective
@@ -390,6 +399,26 @@ class CostModel:
             found = self._local_shapes[key] = split_shape(shape, dims, self.topology.shape)
         return found
 
+    def sharing(self, share: float) -> CostModel:
+        """This model for a move whose collectives run in a bucket (``passes.bucketing``) it shares
+        with others: each collective priced at the seconds its bytes add, plus ``share`` of the
+        launch and latency the bucket pays once (``bucket_latency``). ``Move.share``: one over the
+        moves of its layer that may share the bucket, so that a plan moving all of them pays one
+        latency, as the bucketed program does."""
+        if share == self.latency_share:
+            return self
+        found = self._sharing.get(share)
+        if found is None:
+            found = self._sharing[share] = CostModel(
+                self.mesh, self.profile, self.expert_imbalance, latency_share=share
+            )
+        return found
+
+    def bucket_latency(self, kind: str, mesh_dim: int) -> float:
+        """What one bucket's collective of ``kind`` over ``mesh_dim`` costs beyond its bytes: a
+        collective of none."""
+        return collective_seconds(kind, self.topology.spans[mesh_dim], 0.0, self.profile)
+
     def redistribute_cost(self, src: Placements, dst: Placements, meta: TensorMeta) -> float:
         """Seconds to move ``meta`` from ``src`` to ``dst`` placements; ``math.inf`` if DTensor cannot."""
         return self._cost(src, dst, meta, self._key(src, dst, meta))[0]
@@ -416,7 +445,11 @@ class CostModel:
         """A move's seconds and their hideable part (``math.inf`` where DTensor cannot run it),
         kept by ``_move``."""
         plan = self._plan_of(move, steps, meta, src)
-        found = _CANNOT if plan is None else plan_seconds(plan, self.topology, self.profile, self._transfer_s)
+        found = (
+            _CANNOT
+            if plan is None
+            else plan_seconds(plan, self.topology, self.profile, self._transfer_s, self.latency_share)
+        )
         self._seconds[move] = found
         return found
 

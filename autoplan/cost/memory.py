@@ -52,6 +52,7 @@ from autoplan.cost.moves import Move
 from autoplan.cost.timeline import Key, Recomputed, Schedule, chain_peak, live_storages, node_of, schedule, stored_at
 from autoplan.plan import MemoryReport
 from autoplan.shard.strategies import Strategy, aliases_input, output_vals, value_of
+from autoplan.trace.recompute import layer_of
 from autoplan.trace.tracing import PHASE_KEY, TracedGraph
 
 
@@ -115,7 +116,9 @@ class GradientMove:
 
 
 def scheduled_gradients(grads: list[Move], sched: Schedule) -> list[GradientMove]:
-    """Each of the gradients' moves (``moves.gradient_moves``) on ``sched``; placement-independent."""
+    """Each of the gradients' moves (``moves.gradient_moves``) on ``sched``; placement-independent.
+    A layer's gradients are moved together once its last is made (one bucket,
+    ``lower.passes.bucketing``): each made copy lives until then."""
     values = {m.value for m in grads}
     count = Counter(sched.owner[o] for o in values)
     kept: dict[Key, int] = {}
@@ -123,11 +126,16 @@ def scheduled_gradients(grads: list[Move], sched: Schedule) -> list[GradientMove
         if owner in count:
             last = sched.reads[n] if n in values else sched.last_use[n]
             kept[owner] = max(kept.get(owner, sched.born[owner]), last)
-    return [
-        GradientMove(m, w, sched.step[m.value], kept[w], count[w] == 1 and _numel(node_of(w)) == _numel(m.value))
-        for m in grads
-        for w in [sched.owner[m.value]]
-    ]
+    reduced: dict[str, int] = {}  # layer -> the step its last gradient is made
+    for m in grads:
+        if layer := layer_of(m.value):
+            reduced[layer] = max(reduced.get(layer, 0), sched.step[m.value])
+    out = []
+    for m in grads:
+        w, at = sched.owner[m.value], reduced.get(layer_of(m.value), sched.step[m.value])
+        kept[w] = max(kept[w], at)
+        out.append(GradientMove(m, w, at, kept[w], count[w] == 1 and _numel(node_of(w)) == _numel(m.value)))
+    return out
 
 
 def _numel(n: fx.Node) -> int:
@@ -320,6 +328,17 @@ def _prefetched(sched: Schedule, chosen: dict[fx.Node, Strategy], mesh_shape) ->
     return spans
 
 
+def _bucket_buffers(sched: Schedule, chosen: dict[fx.Node, Strategy], mesh_shape) -> list[tuple[int, int, int]]:
+    """(bytes, step, step) of each layer's flat buffer of gathered parameters where it is copied out
+    (``Schedule.copied_out``): for that step, every gathered copy of the bucket is held twice."""
+    spans = []
+    for k, at in sched.copied_out.items():
+        n = node_of(k)
+        if n in chosen and (b := _gathered_params(n, chosen, sched.param_values, mesh_shape)):
+            spans.append((b, at, at))
+    return spans
+
+
 def _stored_bytes(n_steps: int, spans: list[tuple[int, int, int]]) -> np.ndarray:
     """The bytes stored at each of ``n_steps`` steps, of ``spans`` (bytes, first step, last step)."""
     delta = np.zeros(n_steps + 1)
@@ -411,7 +430,7 @@ def walk(
     owned = _storages(sched, chosen, mesh_shape, move, dies)
     last = sched.n_steps - 1
     extra = [(value_bytes(g.param, chosen[g.param].outputs, mesh_shape), g.made, last) for g in moved]
-    early = _prefetched(sched, chosen, mesh_shape)
+    early = _prefetched(sched, chosen, mesh_shape) + _bucket_buffers(sched, chosen, mesh_shape)
     stored = _stored_bytes(sched.n_steps, [*owned.values(), *extra, *early])
     running, moving = _transients(sched, chosen, mesh_shape, move, owned, moved)
     # and while the forward's last op runs, the model outputs' moves
@@ -474,6 +493,29 @@ def moves_at(sched: Schedule, step: int) -> tuple[list[fx.Node], list[fx.Node]]:
     return ops, sorted(views, key=sched.step.__getitem__)
 
 
+def copied_out_at(sched: Schedule, step: int) -> list[fx.Node]:
+    """The ops and views whose layer's bucket of parameter gathers is copied out of its flat buffer
+    at ``step`` (``Schedule.copied_out``): the buffer holds their gathered copies once more then."""
+    return [node_of(k) for k, at in sched.copied_out.items() if at == step]
+
+
+def issued_early(sched: Schedule, step: int) -> list[fx.Node]:
+    """The ops and views whose parameters' gathers the lowering issued before ``step`` and that read
+    them after it (``Schedule.issued``): their gathered copies are alive at ``step``."""
+    return [node_of(k) for k, at in sched.issued.items() if at <= step < sched.step[k]]
+
+
+def gathered_copy_bytes(mesh_shape) -> MovePrice:
+    """Bytes of the copy a parameter value's move makes where it reads a larger local shard than is
+    made: a gather, issued early (``issued_early``; ``_gathered_params`` per op)."""
+
+    def price(made: Placements, read: Placements, meta, consumed: bool = False) -> float:
+        copy = local_bytes(meta, read, mesh_shape)
+        return float(copy) if copy > local_bytes(meta, made, mesh_shape) else 0.0
+
+    return price
+
+
 def moved_copy_bytes(mesh_shape) -> MovePrice:
     """Bytes of the copy a move from one placement to another makes (none when they are equal). The
     copy is made while its source is alive, so a consumed source changes nothing."""
@@ -513,6 +555,8 @@ def linear_peak_bytes(
         made = _made(g.value, chosen)
         if made is not None:
             moved += price(made, chosen[g.param].outputs[0], tensor_meta(g.value.meta["val"]))
+    early = issued_early(sched, step) + copied_out_at(sched, step)
+    moved += sum(_gathered_params(n, chosen, sched.param_values, mesh_shape) for n in early if n in chosen)
     return int(stored + moved)
 
 

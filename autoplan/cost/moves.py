@@ -10,8 +10,10 @@ alternatives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -32,7 +34,9 @@ class Move:
     reader in reports (a node, ``grad:<fqn>`` or ``output:<i>``); ``kind``: which of the three it is;
     ``segment``: the overlap segment whose compute the move can hide under
     (``overlap.Hiding.segment_of``), None if it cannot; ``again``: the backward's second run of a
-    move into a parameter's gathered view (``overlap.read_again``)."""
+    move into a parameter's gathered view (``overlap.read_again``); ``bucket``: where the lowering
+    runs its collectives inside one of a layer's buckets, where it pays ``share`` of their launch
+    and latency (``CostModel.sharing``)."""
 
     src: fx.Node
     k: int
@@ -45,6 +49,8 @@ class Move:
     segment: str | None
     fixed: Placements | None = None
     again: bool = False
+    bucket: str | None = None  # the bucket its collectives run in (``overlap.Hiding.bucket_of``), if any
+    share: float = 1.0  # of its collectives' latency it pays: one over its bucket's moves (``moves``)
 
     @functools.cached_property
     def meta(self) -> TensorMeta:
@@ -65,7 +71,9 @@ def moves(tg: TracedGraph, fixed_outputs: dict[int, Placements], hiding: overlap
     the model outputs with a placement to meet. ``hiding``: where moves hide
     (``overlap.Hiding.of(tg)`` unless given)."""
     hiding = hiding or overlap.Hiding.of(tg)
-    return input_moves(tg, hiding) + gradient_moves(tg, hiding) + output_moves(tg, fixed_outputs)
+    found = input_moves(tg, hiding) + gradient_moves(tg, hiding) + output_moves(tg, fixed_outputs)
+    sharing = Counter(m.bucket for m in found if m.bucket)
+    return [dataclasses.replace(m, share=1.0 / sharing[m.bucket]) if m.bucket else m for m in found]
 
 
 def input_moves(tg: TracedGraph, hiding: overlap.Hiding) -> list[Move]:
@@ -86,10 +94,11 @@ def op_inputs(n: fx.Node, hiding: overlap.Hiding | None = None) -> list[Move]:
     out = []
     for j, a in enumerate(tensor_inputs(n)):
         u, k = value_of(a)
-        out.append(Move(u, k, a, n, j, n.name, "input", ph, hiding.segment_of(u, n, False) if hiding else None))
+        seg, bucket = (hiding.segment_of(u, n, False), hiding.bucket_of(u, n, False)) if hiding else (None, None)
+        out.append(Move(u, k, a, n, j, n.name, "input", ph, seg, bucket=bucket))
         if hiding and n in hiding.again:
-            seg = hiding.segment_of(u, n, False, again=True)
-            out.append(Move(u, k, a, n, j, n.name, "input", "backward", seg, again=True))
+            seg, bucket = hiding.segment_of(u, n, False, again=True), hiding.bucket_of(u, n, False, again=True)
+            out.append(Move(u, k, a, n, j, n.name, "input", "backward", seg, again=True, bucket=bucket))
     return out
 
 
@@ -102,7 +111,8 @@ def gradient_moves(tg: TracedGraph, hiding: overlap.Hiding | None = None) -> lis
         if g is not None:
             u, k = value_of(g)
             p = params[fqn]
-            out.append(Move(u, k, g, p, None, f"grad:{fqn}", "gradient", "backward", hiding.segment_of(u, p, True)))
+            seg, bucket = hiding.segment_of(u, p, True), hiding.bucket_of(u, p, True)
+            out.append(Move(u, k, g, p, None, f"grad:{fqn}", "gradient", "backward", seg, bucket=bucket))
     return out
 
 

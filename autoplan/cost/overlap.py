@@ -107,13 +107,30 @@ class Hiding:
     params: frozenset[fx.Node]
     early: frozenset[fx.Node]  # parameter-only values where the program prefetches them, else none
     again: frozenset[fx.Node]  # views whose incoming move the backward runs again (``read_again``)
+    from_params: frozenset[fx.Node] = frozenset()  # parameter-only values (``parameter_only``)
 
     @classmethod
     def of(cls, tg: TracedGraph, instance: dict[fx.Node, str] | None = None, prefetch: bool = False) -> Hiding:
         if instance is None:
             instance = {n: i for n, (i, _) in layer_instances(tg).items()}
-        early = parameter_only(tg) if prefetch else frozenset()
-        return cls(instance, frozenset(tg.placeholder_for("param").values()), early, read_again(tg))
+        from_params = parameter_only(tg)
+        early = from_params if prefetch else frozenset()
+        return cls(instance, frozenset(tg.placeholder_for("param").values()), early, read_again(tg), from_params)
+
+    def bucket_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool, again: bool = False) -> str | None:
+        """The bucket (a segment, layer instance and phase, and what it carries) whose collectives
+        carry moving ``src``'s value, None if the lowering runs them on their own
+        (``passes.bucketing``): a parameter-only value's move into an op (a weight's gather, and
+        its re-gather in the backward, ``again``) joins its reader's layer's parameter bucket, a
+        gradient's move into its parameter's placement (reduced before or after a cast back) its
+        producer's gradient bucket."""
+        if into_output and reader in self.params or reader is not None and reader.meta.get(REDUCE_BEFORE):
+            at, what = src, "gradients"
+        elif not into_output and reader is not None and src in self.from_params:
+            at, what = reader, "parameters"
+        else:
+            return None
+        return f"{segment(self.instance.get(at, ''), 'backward' if again else phase(at))} {what}"
 
     def segment_of(self, src: fx.Node, reader: fx.Node | None, into_output: bool, again: bool = False) -> str | None:
         """The segment whose compute moving ``src``'s value can hide under, ``None`` if it cannot.

@@ -57,6 +57,9 @@ class Schedule:
     n_steps: int
     param_values: frozenset[fx.Node] = frozenset()  # parameters and their forward views
     issued: dict[Key, int] = field(default_factory=dict)  # op reading param_values -> its gathers' step
+    # op reading param_values -> where its layer's bucket of gathers is copied out of the flat buffer
+    # (which then holds them all once more): its layer's first reader in its phase
+    copied_out: dict[Key, int] = field(default_factory=dict)
     views: dict[Key, tuple[Key, ...]] = field(default_factory=dict)  # each entry -> the views read from it
 
 
@@ -83,11 +86,14 @@ def _order(nodes: list[fx.Node], recomputed: frozenset[fx.Node]) -> tuple[list[K
     return order, inputs
 
 
-def prefetch_steps(order: list[Key], step: dict[Key, int], reading: list[Key]) -> dict[Key, int]:
-    """For each of ``reading`` (ops reading a parameter), the step the lowering's prefetch issues
-    its parameters' gathers at (``lower.passes.prefetch``): the first step of the stretch before its
-    own, a stretch being a run of one layer instance in one phase (the forward and the backward are
-    graphs of their own: a backward op's gathers are never issued in the forward)."""
+def issue_steps(order: list[Key], step: dict[Key, int], reading: list[Key], ahead: int) -> dict[Key, int]:
+    """For each of ``reading`` (ops reading a parameter), the step the lowering issues its
+    parameters' gathers at. ``ahead`` 0: where its layer's first reader in its phase runs (the
+    layer's gathers run in one bucket issued there, ``lower.passes.bucketing``); 1: the first step
+    of the stretch before its own, where prefetch issues them (``lower.passes.prefetch``). A
+    stretch is a run of one layer instance in one phase (the forward and the backward are graphs
+    of their own: a backward op's gathers are never issued in the forward). Ops outside layers
+    are gathered where they run."""
     first: list[int] = []  # each stretch's first step, -1 before the backward's first
     index: dict[Key, int] = {}
     previous = None
@@ -103,13 +109,24 @@ def prefetch_steps(order: list[Key], step: dict[Key, int], reading: list[Key]) -
             first.append(step[k])
             previous = tag
         index[k] = len(first) - 1
-    return {k: first[index[k] - 1] if index[k] > 0 and first[index[k] - 1] >= 0 else step[k] for k in reading}
+    if ahead:
+        return {k: first[index[k] - 1] if index[k] > 0 and first[index[k] - 1] >= 0 else step[k] for k in reading}
+    own: dict[tuple, int] = {}  # (layer, phase) -> its first reader's step
+    out = {}
+    for k in reading:
+        n = node_of(k)
+        layer = layer_of(n)
+        if layer:
+            key = (layer, isinstance(k, Recomputed) or n.meta.get(PHASE_KEY) == "backward")
+            out[k] = own.setdefault(key, step[k])
+    return out
 
 
 def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset(), prefetch: bool = False) -> Schedule:
     """The schedule of the joint graph; ``recomputed``: forward ops the backward runs again (the
-    parameters' gathered views always are, see ``regathered``); ``prefetch``: the lowering gathers
-    each op's parameters a stretch ahead of it (``Schedule.issued``)."""
+    parameters' gathered views always are, see ``regathered``); the lowering gathers each op's
+    parameters where its layer's first are gathered (one bucket), or with ``prefetch`` a stretch
+    ahead of it (``Schedule.issued``)."""
     nodes = [n for n in tg.gm.graph.nodes if n.op in ("placeholder", "call_function", "get_attr")]
     params = set(tg.placeholder_for("param").values())
     views = regathered(nodes, params)
@@ -151,7 +168,8 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset(), pref
     param_values = frozenset(params | views)
     calls = (k for k in order if node_of(k).op == "call_function")
     reading = [k for k in calls if any(node_of(a) in param_values for a in inputs[k])]
-    issued = prefetch_steps(order, step, reading) if prefetch else {}
+    copied_out = issue_steps(order, step, reading, 0)
+    issued = issue_steps(order, step, reading, 1) if prefetch else copied_out
     return Schedule(
         tuple(order),
         step,
@@ -166,6 +184,7 @@ def schedule(tg: TracedGraph, recomputed: frozenset[fx.Node] = frozenset(), pref
         len(order),
         param_values,
         issued,
+        copied_out,
         _views_of(view_last, inputs),
     )
 

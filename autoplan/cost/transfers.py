@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.adapters.dtensor import Placements, shard_dim
 from autoplan.cost.devices import DeviceProfile
-from autoplan.cost.network import MeshTopology, collective_seconds
+from autoplan.cost.network import GroupSpan, MeshTopology, collective_seconds
 from autoplan.shard.expert_rows import ExpertRows
 
 TransferKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "local", "relayout"]
@@ -167,49 +167,78 @@ def transfer_seconds(transfer: Transfer, topology: MeshTopology, profile: Device
     return collective_seconds(transfer.kind, topology.spans[transfer.mesh_dim], transfer.nbytes, profile)
 
 
+_FUSED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
 def fused_gather_pairs(transfers: Sequence[Transfer], ndim: int) -> set[int]:
-    """Indices ``i`` where transfers i and i+1 are all-gathers on the two dims of a 2-D mesh with
-    nothing between them: the gather-fusion pass runs them as one all-gather over the whole mesh."""
+    """Indices ``i`` where transfers i and i+1 are all-gathers (reduce-scatters, all-reduces) on
+    the two dims of a 2-D mesh with nothing between them: the fusion pass
+    (``passes.gather_fusion``) runs them as one collective over the whole mesh."""
     if ndim != 2:
         return set()
     return {
         i
         for i, (a, b) in enumerate(itertools.pairwise(transfers))
-        if a.kind == b.kind == "all_gather" and a.mesh_dim != b.mesh_dim
+        if a.kind == b.kind and a.kind in _FUSED_KINDS and a.mesh_dim != b.mesh_dim
     }
 
 
 def plan_seconds(
-    transfers: Sequence[Transfer], topology: MeshTopology, profile: DeviceProfile, memo: dict
+    transfers: Sequence[Transfer],
+    topology: MeshTopology,
+    profile: DeviceProfile,
+    memo: dict,
+    latency_share: float = 1.0,
 ) -> tuple[float, float]:
-    """A redistribution's time, and the part of it that can run beside compute. Gather pairs that the
-    fusion pass merges are priced as the one collective that runs (over the flattened mesh), plus
-    the local chunk transpose it needs when the outer mesh dim was gathered first. ``memo``: each
-    primitive's seconds by (kind, mesh dim, bytes), kept by the caller for this topology and
-    profile (a 3-D mesh's moves price ~300 K primitives, a few thousand distinct).
+    """A redistribution's time, and the part of it that can run beside compute. Chained pairs that
+    the fusion passes merge are priced as the one collective that runs (over the flattened mesh),
+    plus the local chunk transpose it needs when the mesh dims ran in column-major order.
+    ``memo``: each primitive's seconds by (kind, mesh dim, bytes), kept by the caller for this
+    topology, profile and ``latency_share`` (a 3-D mesh's moves price ~300 K primitives, a few
+    thousand distinct).
 
     Only the collectives can run beside compute (on their own stream, or gloo's threads), and only
     the ``comm_overlap`` fraction of their time: gloo's threads need the cores the compute holds for
     much of theirs. The copies (re-layouts, chunk picks) are kernels of the rank's own program, in
-    line with its compute, so they never hide (``autoplan.cost.overlap``)."""
+    line with its compute, so they never hide (``autoplan.cost.overlap``).
+
+    Each collective pays ``latency_share`` of the seconds of an empty one (its launch and the
+    link's latency): a move whose collectives run in a bucket shares them with the bucket's other
+    moves (``CostModel.sharing``)."""
+
+    def collective(kind: str, span: GroupSpan, nbytes: int) -> float:
+        found = collective_seconds(kind, span, nbytes, profile)
+        if latency_share == 1.0:
+            return found
+        return found - (1.0 - latency_share) * collective_seconds(kind, span, 0.0, profile)
 
     def seconds(t: Transfer) -> float:
         key = (t.kind, t.mesh_dim, t.nbytes)
         found = memo.get(key)
         if found is None:
-            found = memo[key] = transfer_seconds(t, topology, profile)
+            if t.kind in _COPIES:
+                found = transfer_seconds(t, topology, profile)
+            else:
+                found = collective(t.kind, topology.spans[t.mesh_dim], t.nbytes)
+            memo[key] = found
         return found
 
     fused = fused_gather_pairs(transfers, len(topology.shape))
     copies = collectives = 0.0
     skip = False
     for i, t in enumerate(transfers):
+        following = transfers[i + 1] if i + 1 < len(transfers) else None
         if skip:
             skip = False
-        elif i in fused:
-            collectives += collective_seconds("all_gather", topology.flat, transfers[i + 1].nbytes, profile)
-            if t.mesh_dim < transfers[i + 1].mesh_dim:
-                copies += seconds(Transfer("relayout", 0, transfers[i + 1].made))
+        elif i in fused and t.kind == "all_gather":  # dp gathered first: chunks transposed after
+            collectives += collective(t.kind, topology.flat, following.nbytes)
+            if t.mesh_dim < following.mesh_dim:
+                copies += seconds(Transfer("relayout", 0, following.made))
+            skip = True
+        elif i in fused:  # a reduce-scatter of tp first: the input's chunks transposed before
+            collectives += collective(t.kind, topology.flat, t.nbytes)
+            if t.kind == "reduce_scatter" and t.mesh_dim > following.mesh_dim:
+                copies += seconds(Transfer("relayout", 0, t.nbytes))
             skip = True
         elif t.kind in _COPIES:
             copies += seconds(t)

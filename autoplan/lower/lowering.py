@@ -31,9 +31,15 @@ from autoplan.adapters.pytree import tree_flatten, tree_unflatten
 from autoplan.cost.costs import largest_shard_shape as padded_shape
 from autoplan.lower.collectives import collective_kind, is_c10d
 from autoplan.lower.local_ops import in_layout_of, local_convolution, run_local
+from autoplan.lower.passes.bucketing import DEFAULT_BUCKET_BYTES, BucketStats, bucket_collectives
 from autoplan.lower.passes.contiguity import ContiguityStats, make_collective_inputs_contiguous
 from autoplan.lower.passes.fsdp_recompute import RECOMPUTE_KEY, RecomputeStats, tag_parameter_gathers
-from autoplan.lower.passes.gather_fusion import FusionStats, fuse_gather_chains
+from autoplan.lower.passes.gather_fusion import (
+    FusionStats,
+    fuse_all_reduce_chains,
+    fuse_gather_chains,
+    fuse_reduce_scatter_chains,
+)
 from autoplan.lower.passes.prefetch import PrefetchStats, prefetch_parameter_gathers
 from autoplan.lower.passes.wait_sinking import WaitStats, sink_all_reduce_waits
 from autoplan.lower.validate import GraphCheckError, LoweringError, check_lowered
@@ -68,9 +74,14 @@ class LoweredGraph:
     recompute: RecomputeStats = RecomputeStats(0, 0)
     activation_recompute: int = 0  # lowered forward nodes the plan's recompute choice runs again
     gather_fusion: FusionStats = FusionStats(0, 0)
+    scatter_fusion: FusionStats = FusionStats(0, 0)
+    reduce_fusion: FusionStats = FusionStats(0, 0)
     contiguity: ContiguityStats = ContiguityStats(0, 0)
     waits: WaitStats = WaitStats(0)
     prefetch: PrefetchStats = PrefetchStats(0, 0)
+    buckets: BucketStats = BucketStats()
+    # per phase: a typical layer's collectives before bucketing (``collectives_per_layer``)
+    unbucketed_per_layer: dict[str, dict[str, int]] | None = None
 
     def collective_counts(self, graph: fx.GraphModule | None = None) -> dict[str, int]:
         return count_collectives(graph or self.joint)
@@ -81,12 +92,13 @@ def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
     return dict(sorted(Counter(k for n in gm.graph.nodes if (k := collective_kind(n))).items()))
 
 
-def collectives_per_layer(gm: fx.GraphModule) -> dict[str, int]:
-    """Data-moving collectives per kind in a typical repeated-layer instance of ``gm`` (the counts
-    most instances run; a boundary layer planned on its own may differ): what bucketing a layer's
-    collectives shrinks."""
+def collectives_per_layer(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
+    """Data-moving collectives per kind in a typical repeated-layer instance of ``graph`` (the
+    counts most instances run; a boundary layer planned on its own may differ): what bucketing a
+    layer's collectives shrinks."""
     per: dict[str, Counter] = {}
-    for n in gm.graph.nodes:
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    for n in graph.nodes:
         if (kind := collective_kind(n)) and (layer := n.meta.get(REGION_KEY)):
             per.setdefault(layer, Counter())[kind] += 1
     typical = Counter(tuple(sorted(c.items())) for c in per.values()).most_common(1)
@@ -168,15 +180,31 @@ def _run_node(node: fx.Node, plan: Plan, mesh: DeviceMesh, env: dict, coordinate
     return DTensor.from_local(result, mesh, chosen.outputs[0], run_check=False)
 
 
+@dataclass(frozen=True)
+class Partitioned:
+    """The per-rank forward and backward graphs, and what the passes that run on them did."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    prefetch: PrefetchStats
+    buckets: BucketStats
+    unbucketed_per_layer: dict[str, dict[str, int]]
+
+
 def partition(
-    joint: fx.GraphModule, n_outputs: int, prefetch: frozenset[str] = frozenset()
-) -> tuple[fx.GraphModule, fx.GraphModule, PrefetchStats]:
+    joint: fx.GraphModule,
+    n_outputs: int,
+    prefetch: frozenset[str] = frozenset(),
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Partitioned:
     """Split the per-rank joint graph at the forward/backward boundary.
 
     The backward reads saved forward values, except chains tagged must-recompute (FSDP parameter
     gathers, and the ops of layers the plan recomputes), which it runs again from their saved
-    inputs. Nothing else is recomputed, so every other collective runs exactly once. The gathers of
-    the parameters named in ``prefetch`` are issued a layer ahead in both graphs (``passes.prefetch``).
+    inputs. Nothing else is recomputed, so every other collective runs exactly once. Each graph's
+    collectives issued together then run in buckets of at most ``bucket_bytes`` (``passes.bucketing``,
+    0: none), and the gathers of the parameters named in ``prefetch`` are issued a layer ahead in
+    both graphs (``passes.prefetch``).
 
     Forward: primals -> (model outputs..., saved...). Backward: (saved..., tangents...) -> gradients.
     """
@@ -215,9 +243,13 @@ def partition(
     bwd.output([benv[o] if isinstance(o, fx.Node) else o for o in outputs[n_outputs:]])
     fwd.eliminate_dead_code()
     bwd.eliminate_dead_code()
+    before = {"forward": collectives_per_layer(fwd), "backward": collectives_per_layer(bwd)}
+    buckets = BucketStats()
+    if bucket_bytes:
+        buckets = bucket_collectives(fwd, REGION_KEY, bucket_bytes) + bucket_collectives(bwd, REGION_KEY, bucket_bytes)
     a, b = (prefetch_parameter_gathers(g, REGION_KEY, prefetch) for g in (fwd, bwd))
     moved = PrefetchStats(a.gathers + b.gathers, a.nodes + b.nodes)
-    return fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd), moved
+    return Partitioned(fx.GraphModule(joint, fwd), fx.GraphModule(joint, bwd), moved, buckets, before)
 
 
 def _local_fake(val: torch.Tensor, placements: Placements, mesh: DeviceMesh, fake_mode) -> torch.Tensor:
@@ -440,8 +472,9 @@ class LoweringOptions:
     """How the per-rank program is built (``AutoParallel.apply_placement`` documents each)."""
 
     reshard_after_forward: bool = True  # backward re-gathers sharded parameters (FSDP)
-    fuse_gathers: bool = True  # chained per-mesh-dim all-gathers become one
+    fuse_gathers: bool = True  # chained per-mesh-dim all-gathers (reduce-scatters, all-reduces) become one
     prefetch: bool = False  # parameter gathers issued a layer ahead of their use (see passes.prefetch)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # collectives issued together run as one (passes.bucketing; 0: off)
 
     def check(self, mesh: DeviceMesh) -> None:
         """Refuse what the mesh's backend cannot run. Gloo (torch 2.13) corrupts its heap when
@@ -478,6 +511,8 @@ def lower(
     n_outputs = sum(1 for lab in tg.output_labels if lab[0] == "output")
     _mark_phases(graph, n_outputs)
     fusion = fuse_gather_chains(graph, mesh) if options.fuse_gathers else FusionStats(0, 0)
+    scatters = fuse_reduce_scatter_chains(graph, mesh) if options.fuse_gathers else FusionStats(0, 0)
+    reduces = fuse_all_reduce_chains(graph, mesh) if options.fuse_gathers else FusionStats(0, 0)
     labels = [COORDINATE, *tg.input_labels]
     params = {n for n, (kind, _) in zip(graph.find_nodes(op="placeholder"), labels) if kind == "param"}
     recompute = tag_parameter_gathers(graph, params) if options.reshard_after_forward else RecomputeStats(0, 0)
@@ -491,11 +526,11 @@ def lower(
         raise LoweringError(str(e)) from e
     gm = fx.GraphModule(stitcher.root, graph)  # generated once, after every rewrite (codegen is slow on 8B)
     ahead = frozenset(p.name for p in params) if options.prefetch else frozenset()
-    forward, backward, prefetched = partition(gm, n_outputs, ahead)
+    parts = partition(gm, n_outputs, ahead, options.bucket_bytes)
     return LoweredGraph(
         joint=gm,
-        forward=forward,
-        backward=backward,
+        forward=parts.forward,
+        backward=parts.backward,
         input_labels=labels,
         output_labels=list(tg.output_labels),
         input_placements=[None, *in_pl],
@@ -507,7 +542,11 @@ def lower(
         recompute=recompute,
         activation_recompute=activations,
         gather_fusion=fusion,
+        scatter_fusion=scatters,
+        reduce_fusion=reduces,
         contiguity=contiguity,
         waits=waits,
-        prefetch=prefetched,
+        prefetch=parts.prefetch,
+        buckets=parts.buckets,
+        unbucketed_per_layer=parts.unbucketed_per_layer,
     )

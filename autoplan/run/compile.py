@@ -33,8 +33,8 @@ from autoplan.lower.lowering import REGION_KEY, partition
 
 
 def _plan_partition(joint, _joint_inputs, *, num_fwd_outputs: int, **_unused):
-    forward, backward, _ = partition(joint, num_fwd_outputs)
-    return forward, backward
+    parts = partition(joint, num_fwd_outputs)
+    return parts.forward, parts.backward
 
 
 def backend() -> Callable:

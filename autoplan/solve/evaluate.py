@@ -105,21 +105,40 @@ def evaluate(
             rule=rules.get(n, ""),
         )
 
+    paid: dict[tuple, float] = defaultdict(float)  # per bucket's collective: latency shares paid
+    where: dict[tuple, tuple[str, str | None]] = {}  # ... and its phase and overlap segment
     for e in all_moves:
         src, dst = e.ends(chosen.__getitem__)
         if src == dst or (e.again and not cost_model.reruns([src], [dst], e.meta)[0, 0]):
             continue  # no move, or one the backward keeps from the forward
-        seconds = cost_model.redistribute_cost(src, dst, e.meta)
+        priced = cost_model.sharing(e.share) if e.bucket else cost_model
+        seconds = priced.redistribute_cost(src, dst, e.meta)
         collectives = cost_model.redistribute_collectives(src, dst, e.meta)
         nbytes = local_bytes(e.meta, src, cost_model.mesh.shape)
         redistributions.append(
             Redistribution(e.consumer, e.src.name, src, dst, collectives, seconds, e.phase, nbytes, e.again)
         )
-        totals[f"comm_{'forward' if e.phase == 'forward' else 'backward'}"] += seconds
+        phase = "forward" if e.phase == "forward" else "backward"
+        totals[f"comm_{phase}"] += seconds
         if e.segment is not None:
-            seg_comm[e.segment] += cost_model.hideable_cost(src, dst, e.meta)
+            seg_comm[e.segment] += priced.hideable_cost(src, dst, e.meta)
+        for kind, dim in collectives if e.bucket else ():
+            if kind != "local":
+                key = (e.bucket, kind, dim, e.meta.dtype)
+                paid[key] += e.share
+                where[key] = (phase, e.segment)
     hidden = overlap.hidden_seconds(budget, seg_comm)
-    return Evaluation(nodes, redistributions, CostBreakdown(**totals, hidden_comm=hidden, ideal_compute=ideal))
+    # each bucket pays its latency once: what its moves' shares left unpaid (or paid twice)
+    unpaid = 0.0
+    for key, shares in paid.items():
+        (phase, seg), seconds = where[key], cost_model.bucket_latency(key[1], key[2]) * (1.0 - shares)
+        totals[f"comm_{phase}"] += seconds
+        unpaid += seconds
+        if seg is not None:
+            seg_comm[seg] += seconds * cost_model.profile.comm_overlap
+    settled = overlap.hidden_seconds(budget, seg_comm)
+    cost = CostBreakdown(**totals, hidden_comm=settled, ideal_compute=ideal, bucket_latency=unpaid - (settled - hidden))
+    return Evaluation(nodes, redistributions, cost)
 
 
 def _node_key(n: fx.Node) -> tuple:
@@ -190,7 +209,8 @@ def _local_view(
         src, dst = e.ends(chosen.__getitem__)
         if seg is not None and src != dst:
             runs = cost_model.reruns([src], [dst], metas[e.value])[0, 0] if e.again else 1.0
-            hideable[seg] += cost_model.hideable_cost(src, dst, metas[e.value]) * runs
+            priced = cost_model.sharing(e.share) if e.bucket else cost_model
+            hideable[seg] += priced.hideable_cost(src, dst, metas[e.value]) * runs
     return _LocalView(chosen, cost_model, touching, hideable, budget)
 
 
@@ -217,10 +237,10 @@ def _priced(
     at once: one cost row per move)."""
     cost_model = view.cost_model
     candidates = (s0, *opts)
-    seconds = _seconds_of(view, n, candidates, cost_model.redistribute_costs)
+    seconds = _seconds_of(view, n, candidates, "redistribute_costs")
     compute = np.r_[cost_model.op_seconds(n, s0), cost_model.strategy_seconds(n, opts)]
     comm = seconds.sum(axis=0)
-    step = compute + comm - _hidden(view, n, _seconds_of(view, n, candidates, cost_model.hideable_costs))
+    step = compute + comm - _hidden(view, n, _seconds_of(view, n, candidates, "hideable_costs"))
     priced = []
     for i in np.argsort(step[1:], kind="stable") + 1:
         if len(priced) == keep or not np.isfinite(step[i]):
@@ -232,12 +252,14 @@ def _priced(
     return float(comm[0]), tuple(priced)
 
 
-def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...], price) -> np.ndarray:
+def _seconds_of(view: _LocalView, n: fx.Node, candidates: tuple[Strategy, ...], part: str) -> np.ndarray:
     """Seconds of each of ``n``'s moves (rows) under each candidate (columns), the other end as
-    chosen, by ``price`` (``CostModel.redistribute_costs`` or its hideable part)."""
+    chosen, by the ``CostModel`` method ``part`` (``redistribute_costs`` or its hideable part; a
+    bucketed move's at its latency share, ``CostModel.sharing``)."""
     chosen, cost_model = view.chosen, view.cost_model
     rows = []
     for e, _, meta in view.touching[n]:
+        price = getattr(cost_model.sharing(e.share) if e.bucket else cost_model, part)
         src, dst = e.ends(chosen.__getitem__)
         if e.src is n:
             ends, other = [s.outputs[e.k] for s in candidates], dst

@@ -79,6 +79,7 @@ class PeakRows:
         # what a move holds while it runs depends on the mesh alone, not on the device profile
         self.move_bytes = CostModel(self.mesh, self.device_profile).redistribute_peak_bytes
         self.copied = memory.moved_copy_bytes(self.mesh_shape)
+        self.gathered = memory.gathered_copy_bytes(self.mesh_shape)
         self._priced: tuple[PlacementProblem | None, dict] = (None, {})  # ``priced_moves``'s edges, per problem
         self.layers = recompute.layers(self.tg.gm.graph)
         self.tagged = {
@@ -259,6 +260,12 @@ class PeakRows:
             moves = self._input_prices(problem, ops, self.move_bytes if before else self.copied)
             moves.add(self._input_prices(problem, views, self.copied))
             moves.add(self._input_prices(problem, [timeline.node_of(v) for _, v in held], self._dead_source))
+            # the gathers issued ahead of their reader (a layer's bucket, or prefetch), and the
+            # bucket's flat buffer where it is copied out
+            early = memory.issued_early(self.schedule, step) + memory.copied_out_at(self.schedule, step)
+            values = self.schedule.param_values
+            gathered = [(m, self.gathered) for n in early for m in self.into.get(n, ()) if m.value in values]
+            moves.add(priced_moves(problem, gathered, self._priced[1]))
             grads = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, before)
             moves.add(priced_moves(problem, [(g.move, price) for g, price in grads]))
             if step == self.schedule.forward_end and not before:  # where the lowering moves the outputs

@@ -437,8 +437,17 @@ def build_problem(
     def own_labels(node, side, values):  # a node's strategy tuple outlives a build (re-solves)
         return shared.labels(strats[node], side, values)
 
+    rep = clustering.rep
+    shares = {
+        (rep[m.src], m.k, rep[m.dst], "out" if m.slot is None else m.slot, m.again): m.share
+        for m in all_moves
+        if m.bucket
+    }
     for (ur, k, cr, slot, again), mult in progress(edge_mult.items(), "costs", len(edge_mult)):
-        edge = _edge(strats, root, cost_model.redistribute_costs, ur, k, cr, slot, own_labels)
+        # a layer's parameter and gradient moves share its buckets' latency (``Move.share``)
+        share = shares.get((ur, k, cr, slot, again))
+        priced = cost_model if share is None else cost_model.sharing(share)
+        edge = _edge(strats, root, priced.redistribute_costs, ur, k, cr, slot, own_labels)
         meta = tensor_meta(output_vals(ur)[k])
         runs = cost_model.reruns(edge.srcs, edge.dsts, meta) * mult if again else mult  # a regather, or none
         cost = edge.cost * runs
@@ -446,7 +455,7 @@ def build_problem(
             cost = np.where(_sums_partials(edge.srcs, edge.dsts), np.inf, cost)
         name = shared.hiding.segment_of(ur, cr, slot == "out", again)
         if name is not None:  # only its collectives hide: its copies run in line with compute
-            seconds = cost_model.hideable_costs(edge.srcs, edge.dsts, meta)
+            seconds = priced.hideable_costs(edge.srcs, edge.dsts, meta)
             hideable.append((name, dataclasses.replace(edge, cost=seconds * runs)))
         if edge.key is None:
             unit_cost[edge.unit] += edge.per_strategy(cost)

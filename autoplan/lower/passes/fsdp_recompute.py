@@ -22,7 +22,7 @@ RECOMPUTE_KEY = "autoplan_recompute"
 
 aten = torch.ops.aten
 # Ops a gathered weight flows through before it is used: no compute worth keeping.
-_CHEAP = {
+CHEAP = {
     aten.view.default,
     aten._unsafe_view.default,
     aten.reshape.default,
@@ -59,7 +59,7 @@ def _is_forward(n: fx.Node) -> bool:
 def from_parameter(n: fx.Node, params: set[fx.Node]) -> bool:
     """Does ``n`` read a parameter through cheap single-input ops only?"""
     while n not in params:
-        if n.op != "call_function" or n.target not in _CHEAP or len(n.all_input_nodes) != 1:
+        if n.op != "call_function" or n.target not in CHEAP or len(n.all_input_nodes) != 1:
             return False
         n = n.all_input_nodes[0]
     return True
@@ -95,7 +95,7 @@ def tag_parameter_gathers(graph: fx.Graph, params: set[fx.Node]) -> RecomputeSta
                 continue
             tagged.add(node)
             for user in node.users:
-                cheap = communicates(user) or user.target in _CHEAP
+                cheap = communicates(user) or user.target in CHEAP
                 # multi-input cheap ops (a ``cat`` of gathered chunks) join once all their inputs
                 # have; a chunk picked by index (a nested shard's own chunk of the gathered weight,
                 # a copy) once its data has: the small index is saved instead

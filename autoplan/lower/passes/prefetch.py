@@ -6,10 +6,10 @@ nothing the step computes, so it can be issued as early as the program likes; FS
 layer's gathers while the current layer computes, and the overlap model (``cost.overlap``) prices
 parameter moves as hidden under their layer's compute on that assumption. This pass makes the
 program do what is priced: in a partitioned forward or backward graph, every all-gather of a
-parameter (its shard read through views and casts; in the backward, the saved shard of a
-re-gathered weight) moves, with the cheap chain that feeds it, to the start of the stretch of nodes
-before its own (the previous layer instance, in the order the graph runs them). Its ``wait_tensor``
-stays where it was, right before the first reader.
+parameter (its shard read through views and casts, or a bucket of such shards packed into one
+buffer; in the backward, the saved shards of re-gathered weights) moves, with the cheap chain that
+feeds it, to the start of the stretch of nodes before its own (the previous layer instance, in the
+order the graph runs them). Its ``wait_tensor`` stays where it was, right before the first reader.
 
 Stretches are runs of one ``REGION_KEY`` value along the graph. A moved gather keeps its own
 layer's tag, so regional compilation puts the gathers a layer issues early in a small region of
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autoplan.lower.collectives import c10d
-from autoplan.lower.passes.fsdp_recompute import from_parameter
+from autoplan.lower.passes.fsdp_recompute import CHEAP
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,19 @@ def stretches(graph: fx.Graph, region_key: str) -> dict[fx.Node, int]:
     return index
 
 
-def _chain(gather: fx.Node) -> list[fx.Node]:
-    """The gather and the call nodes feeding it, up from its parameter, in graph order."""
-    chain, n = [gather], gather.args[0]
-    while n.op == "call_function":
-        chain.append(n)
-        n = n.all_input_nodes[0]
-    return chain[::-1]
+def _chain(gather: fx.Node, sources: set[fx.Node], position: dict[fx.Node, float]) -> list[fx.Node] | None:
+    """The gather and the cheap call nodes it is made by from parameters (several, for a bucket's
+    packed shards), in graph order; None if it reads anything else."""
+    chain, todo = {gather}, list(gather.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in chain or n in sources:
+            continue
+        if n.op != "call_function" or n.target not in CHEAP:
+            return None
+        chain.add(n)
+        todo.extend(n.all_input_nodes)
+    return sorted(chain, key=position.__getitem__)
 
 
 def prefetch_parameter_gathers(graph: fx.Graph, region_key: str, params: set[str]) -> PrefetchStats:
@@ -71,17 +77,14 @@ def prefetch_parameter_gathers(graph: fx.Graph, region_key: str, params: set[str
     in place."""
     sources = {n for n in graph.find_nodes(op="placeholder") if n.name in params}
     stretch = stretches(graph, region_key)
-    chains = [
-        _chain(g)
-        for g in graph.nodes
-        if g.target is c10d.all_gather_into_tensor.default and from_parameter(g.args[0], sources)
-    ]
+    position = {n: float(i) for i, n in enumerate(graph.nodes)}
+    found = (_chain(g, sources, position) for g in graph.nodes if g.target is c10d.all_gather_into_tensor.default)
+    chains = [c for c in found if c is not None]
     moving = {n for chain in chains for n in chain}
     starts: dict[int, fx.Node] = {}  # each stretch's first node that stays
     for n, s in stretch.items():
         if n not in moving:
             starts.setdefault(s, n)
-    position = {n: float(i) for i, n in enumerate(graph.nodes)}
     gathers = nodes = 0
     for chain in chains:
         anchor = starts.get(stretch[chain[-1]] - 1)

@@ -1,0 +1,142 @@
+"""Bucketing (``lower.passes.bucketing``): a layer's collectives issued together run as one on a flat
+buffer, the next layer's bucketed gather is prefetched, and the values computed are exactly those
+of the unbucketed program (on ``LocalTensorMode``'s simulated ranks and on gloo)."""
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import fake_mesh
+from gloo import run_gloo
+from parallel_run import FSDP, IO, LLAMA_TP, one_value, plan_and_apply, reference_run
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autoplan.lower.collectives import collective_kind
+from autoplan.lower.lowering import REGION_KEY
+from autoplan.lower.passes.bucketing import BUCKET_KEY
+
+GATHER = "all_gather"
+
+
+def _per_layer(gm) -> dict[tuple[str, str, str], int]:
+    """(layer, kind, process group) -> collectives in ``gm``."""
+    out: Counter = Counter()
+    for n in gm.graph.nodes:
+        if (kind := collective_kind(n)) and (layer := n.meta.get(REGION_KEY)):
+            out[layer, kind, n.args[-1]] += 1
+    return dict(out)
+
+
+@pytest.mark.parametrize("pins", [FSDP, LLAMA_TP], ids=["fsdp", "tp"])
+def test_a_layers_parameter_gathers_run_as_one_collective_per_group_and_phase(pins):
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    plan, lowered, _ = plan_and_apply(mesh, "llama", pins, batch_rows=8)
+    for phase, gm in (("forward", lowered.forward), ("backward", lowered.backward)):
+        counts = _per_layer(gm)
+        gathers = {k: v for k, v in counts.items() if k[1] == GATHER}
+        assert gathers and max(gathers.values()) == 1, (phase, gathers)
+        assert lowered.unbucketed_per_layer[phase][GATHER] > 1  # there was something to bucket
+    # the summary prints a layer's collectives before and after bucketing
+    assert plan.passes["all_gather_per_layer_forward_before_bucketing"] > plan.passes["all_gather_per_layer_forward"]
+    assert "per layer forward before bucketing" in plan.summary()
+    merged = sum(n.meta.get(BUCKET_KEY, 0) for g in (lowered.forward, lowered.backward) for n in g.graph.nodes)
+    assert merged == lowered.buckets.merged > lowered.buckets.buckets > 0
+
+
+def test_buckets_hold_at_most_bucket_bytes():
+    """With a bound of two weights' gathered bytes, a layer's gathers split into several buckets,
+    none over the bound; with no bound they are one."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    _, one, _ = plan_and_apply(mesh, "llama", LLAMA_TP, batch_rows=8)
+    biggest = max(
+        n.meta["val"].numel() * n.meta["val"].element_size() // n.meta.get(BUCKET_KEY, 1)
+        for n in one.forward.graph.nodes
+        if collective_kind(n) == GATHER
+    )
+    bound = 2 * biggest
+    _, split, _ = plan_and_apply(mesh, "llama", LLAMA_TP, batch_rows=8, bucket_bytes=bound)
+    sizes = [
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n in split.forward.graph.nodes
+        if collective_kind(n) == GATHER and n.meta.get(REGION_KEY) == "layers.0"
+    ]
+    assert len(sizes) > 1 and max(sizes) <= bound
+
+
+def test_the_next_layers_gather_is_issued_before_this_layers_first_matmul():
+    """With prefetch (NCCL meshes), each layer's bucketed parameter gather is issued while the
+    layer before it runs: before that layer's first matmul, in the forward and in the backward."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    _, lowered, _ = plan_and_apply(mesh, "llama", FSDP, batch_rows=8, prefetch=True)
+    for gm in (lowered.forward, lowered.backward):
+        order = list(gm.graph.nodes)
+        layers = list(dict.fromkeys(n.meta.get(REGION_KEY) for n in order if n.meta.get(REGION_KEY)))
+        assert len(layers) >= 2
+        for this, following in zip(layers, layers[1:]):
+            first_mm = next(i for i, n in enumerate(order) if n.meta.get(REGION_KEY) == this and _is_matmul(n))
+            gather = next(
+                i for i, n in enumerate(order) if n.meta.get(REGION_KEY) == following and collective_kind(n) == GATHER
+            )
+            assert gather < first_mm, (this, following)
+            assert order[gather].meta.get(BUCKET_KEY, 1) > 1
+
+
+def _is_matmul(n) -> bool:
+    return n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+
+
+def _one_step(mesh, pmod, ref, compiled: bool, plain) -> dict[str, torch.Tensor]:
+    """Loss and gradients of one forward and backward of ``pmod`` on ``ref``'s first batch."""
+    import autoplan.run.compile
+
+    pmod.to_empty(device="cpu")
+    pmod.init_weights()
+    pmod.load_state_dict(ref.initial_state)
+    run = torch.compile(pmod, backend=autoplan.run.compile.backend()) if compiled else pmod
+    out = run(distribute_tensor(ref.batches[0], mesh, IO).to_local())
+    loss = DTensor.from_local(out, mesh, IO, run_check=False).mean()
+    loss.backward()
+    grads = {n: plain(p.grad.full_tensor()) for n, p in pmod.named_parameters()}
+    return grads | {"loss": plain(loss.full_tensor())}
+
+
+def _unchanged(bucketed: dict, plain: dict) -> list[str]:
+    return [k for k in plain if not torch.equal(bucketed[k], plain[k])]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "inductor"])
+def test_bucketing_changes_no_value_on_simulated_ranks(compiled):
+    """FSDP over both mesh dims of 2x4: the bucketed program's loss and gradients equal the
+    unbucketed program's bit for bit."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    ref = reference_run("llama", batch_rows=8)
+    runs = {}
+    for bucket_bytes in (0, None):
+        options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+        _, lowered, pmod = plan_and_apply(mesh, "llama", FSDP, batch_rows=8, **options)
+        assert (lowered.buckets.merged > 0) == (bucket_bytes is None)
+        with LocalTensorMode(8):
+            runs[bucket_bytes] = _one_step(mesh, pmod, ref, compiled, one_value)
+    assert not _unchanged(runs[None], runs[0])
+
+
+def _gloo_worker(rank: int, compiled: bool) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ref = reference_run("llama")
+    fsdp = [(target, (pl[0],)) for target, pl in FSDP]
+    runs = []
+    for options in ({"bucket_bytes": 0}, {}):
+        _, lowered, pmod = plan_and_apply(mesh, "llama", fsdp, **options)
+        runs.append(_one_step(mesh, pmod, ref, compiled, lambda t: t))
+    return _unchanged(runs[1], runs[0])
+
+
+@pytest.mark.slow  # ~40 s: two processes plan and run twice (LocalTensorMode checks the same by default)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_bucketing_changes_no_value_on_gloo(compiled):
+    """On two gloo ranks (each sum has two terms, so the order cannot differ) the bucketed FSDP
+    program's loss and gradients equal the unbucketed one's bit for bit."""
+    assert run_gloo(_gloo_worker, 2, compiled) == [[], []]
