@@ -128,10 +128,10 @@ class CostBreakdown:
     recompute: float = 0.0  # forward ops the backward runs again (compute and input moves)
     hidden_comm: float = 0.0  # communication that runs under compute (``autoplan.cost.overlap``)
     ideal_compute: float = 0.0  # the step's model FLOPs at the devices' peak rate, spread over all of them
-    # what the buckets' latency adds to the step beyond the shares of it the moves paid: each bucket
-    # of a layer's parameter or gradient moves pays one launch and latency, and the ILP prices each
-    # move at its share (``Move.share``), so it is 0 where a plan moves all of a layer's, and the
-    # ILP's objective is ``total - bucket_latency``
+    # in comm, exposed: what the buckets' latency adds beyond the shares of it the moves paid. Each
+    # bucket of a layer's parameter or gradient moves pays one launch and latency; the ILP prices
+    # each move at its share (``Move.share``), so this is 0 where a plan moves all of a layer's,
+    # and the ILP's objective is ``total - bucket_latency``
     bucket_latency: float = 0.0
 
     @property

@@ -76,6 +76,8 @@ def test_mlp_with_param_budget_is_fully_sharded():
 
 @pytest.fixture(scope="module")
 def block_plan():
+    """One LLaMA block at 8B dims on 2x4 with its parameters split 4 ways (unbounded, DDP wins: its
+    gradients' all-reduce over the whole mesh hides under the backward)."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     cfg = LlamaConfig(dim=4096, n_layers=1, n_heads=32, n_kv_heads=32, vocab_size=128, ffn_dim=14336, max_seq_len=512)
     with torch.device("meta"):
@@ -83,6 +85,7 @@ def block_plan():
     with AutoParallel(model, mesh, input_fn=lambda: torch.randn(8, 512, 4096, dtype=torch.bfloat16)) as ap:
         ap.add_input_constraints([(S0, R)])
         ap.add_output_constraints([(S0, R)])
+        ap.add_memory_constraint(param_fraction=1 / 4)
         return ap.optimize_placement()
 
 

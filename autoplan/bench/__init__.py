@@ -43,6 +43,7 @@ from autoplan.bench.workloads import (
     parse_mesh,
     resolve_dtype,
 )
+from autoplan.lower.passes.bucketing import DEFAULT_BUCKET_BYTES
 
 
 def _peak_rss_gib() -> float:
@@ -95,10 +96,15 @@ def _profile(args: argparse.Namespace, default: str = "h100") -> str:
     return getattr(args, "device_profile", None) or default
 
 
-def _applied(ap, plan) -> dict:
+def _bucket_bytes(args: argparse.Namespace) -> int:
+    """``--bucket-mib`` in bytes (0: one collective per move)."""
+    return int(getattr(args, "bucket_mib", DEFAULT_BUCKET_BYTES / 2**20) * 2**20)
+
+
+def _applied(ap, plan, args: argparse.Namespace) -> dict:
     """Run the post-solve passes and lowering on the plan (fake process group) and report what they did."""
     t0 = time.perf_counter()
-    ap.apply_placement(plan)
+    ap.apply_placement(plan, bucket_bytes=_bucket_bytes(args))
     apply_s = time.perf_counter() - t0
     lowered = ap.lowered
     return {
@@ -123,7 +129,7 @@ def run_plan(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     ap, plan, shape, batch, seq = _planned(args)
     wall = time.perf_counter() - t0
-    applied = _applied(ap, plan)
+    applied = _applied(ap, plan, args)
     result = {
         "model": args.model,
         "mesh": list(shape),
@@ -210,7 +216,7 @@ def _precision_contrast(args: argparse.Namespace, plan) -> dict:
 def run_apply(args: argparse.Namespace) -> dict:
     """Plan, then time lowering the plan into the per-rank distributed graph (fake process group)."""
     ap, plan, shape, _, _ = _planned(args)
-    result = {"model": args.model, "mesh": list(shape), "phases_s": ap.timings, **_applied(ap, plan)}
+    result = {"model": args.model, "mesh": list(shape), "phases_s": ap.timings, **_applied(ap, plan, args)}
     result["peak_rss_gib"] = _peak_rss_gib()
     print(f"passes: {result['passes']}")
     print(f"apply (passes + lowering + partition + module): {result['apply_s']:.2f} s")
@@ -313,7 +319,7 @@ def _programs(args: argparse.Namespace, keep_plan: bool = False) -> tuple[list[_
     t0 = time.perf_counter()
     ap, plan, shape, _, seq = _planned(plan_args)
     plan_s = time.perf_counter() - t0
-    pmod = ap.apply_placement(plan)
+    pmod = ap.apply_placement(plan, bucket_bytes=_bucket_bytes(args))
     collectives = collective_free_executor(pmod, ap.lowered, _compile_regions if args.compile else None)
     device, dtype = args.device, getattr(torch, args.dtype)
     _log("materialising both programs")
@@ -553,6 +559,9 @@ def run_compare(args: argparse.Namespace) -> dict:
     return out | {"prefetch": args.prefetch, "plans": rows}
 
 
+BUCKET_HELP = "the largest bucket of a layer's collectives run as one, in MiB (0: one collective per move)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The benchmarks' arguments (also what the README's commands are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m autoplan.bench", description=__doc__)
@@ -569,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefetch", action="store_true", help="plan for a program that gathers each layer's parameters a layer ahead"
     )
+    p.add_argument("--bucket-mib", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help=BUCKET_HELP)
     a = sub.add_parser("apply", help="time lowering a plan into the distributed graph on a fake process group")
     for action in p._actions[1:]:
         a._add_action(action)
@@ -592,6 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--planned-only", action="store_true", help="skip the plain model (when a full copy does not fit this host)"
     )
+    o.add_argument("--bucket-mib", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help=BUCKET_HELP)
     m = sub.add_parser("memory", help="rank 0's measured peak memory beside the plan's estimate")
     for action in o._actions[1:]:
         if action.dest not in ("compile", "steps", "planned_only", "device_profile"):

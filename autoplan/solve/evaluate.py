@@ -106,7 +106,7 @@ def evaluate(
         )
 
     paid: dict[tuple, float] = defaultdict(float)  # per bucket's collective: latency shares paid
-    where: dict[tuple, tuple[str, str | None]] = {}  # ... and its phase and overlap segment
+    phases: dict[tuple, str] = {}  # ... and the phase it runs in
     for e in all_moves:
         src, dst = e.ends(chosen.__getitem__)
         if src == dst or (e.again and not cost_model.reruns([src], [dst], e.meta)[0, 0]):
@@ -126,18 +126,16 @@ def evaluate(
             if kind != "local":
                 key = (e.bucket, kind, dim, e.meta.dtype)
                 paid[key] += e.share
-                where[key] = (phase, e.segment)
-    hidden = overlap.hidden_seconds(budget, seg_comm)
-    # each bucket pays its latency once: what its moves' shares left unpaid (or paid twice)
+                phases[key] = phase
+    # each bucket pays its latency once: what its moves' shares left unpaid (or paid twice), which
+    # is counted exposed
     unpaid = 0.0
     for key, shares in paid.items():
-        (phase, seg), seconds = where[key], cost_model.bucket_latency(key[1], key[2]) * (1.0 - shares)
-        totals[f"comm_{phase}"] += seconds
+        seconds = cost_model.bucket_latency(key[1], key[2]) * (1.0 - shares)
+        totals[f"comm_{phases[key]}"] += seconds
         unpaid += seconds
-        if seg is not None:
-            seg_comm[seg] += seconds * cost_model.profile.comm_overlap
-    settled = overlap.hidden_seconds(budget, seg_comm)
-    cost = CostBreakdown(**totals, hidden_comm=settled, ideal_compute=ideal, bucket_latency=unpaid - (settled - hidden))
+    hidden = overlap.hidden_seconds(budget, seg_comm)
+    cost = CostBreakdown(**totals, hidden_comm=hidden, ideal_compute=ideal, bucket_latency=unpaid)
     return Evaluation(nodes, redistributions, cost)
 
 
@@ -234,7 +232,8 @@ def _priced(
 ) -> tuple[float, tuple[Alternative, ...]]:
     """The chosen ``s0``'s redistribution seconds and the ``keep`` cheapest of ``opts`` other than
     it, each with what the step from ``s0`` would change the cost by (a node's strategies priced
-    at once: one cost row per move)."""
+    at once: one cost row per move), as the ILP prices it: bucketed moves at their latency share,
+    without the buckets' unshared latency (``CostBreakdown.bucket_latency``)."""
     cost_model = view.cost_model
     candidates = (s0, *opts)
     seconds = _seconds_of(view, n, candidates, "redistribute_costs")
