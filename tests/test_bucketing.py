@@ -12,7 +12,7 @@ from parallel_run import FSDP, IO, LLAMA_TP, one_value, plan_and_apply, referenc
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autoplan.lower.collectives import collective_kind
+from autoplan.lower.collectives import collective_kind, is_c10d
 from autoplan.lower.lowering import REGION_KEY
 from autoplan.lower.passes.bucketing import BUCKET_KEY
 from autoplan.lower.passes.fsdp_recompute import CHEAP
@@ -27,7 +27,8 @@ def _param_names(lowered) -> set[str]:
 
 def _of_parameters(gather, params: set[str]) -> bool:
     """Is ``gather``'s input made from parameters (their shards, saved for the backward) by cheap
-    ops alone (views, casts, the packing of a bucket)?"""
+    ops (views, casts, the packing of a bucket) and collectives alone (a gather on another mesh
+    dim first)?"""
     todo, seen = [gather.args[0]], set()
     while todo:
         n = todo.pop()
@@ -37,7 +38,7 @@ def _of_parameters(gather, params: set[str]) -> bool:
         if n.op == "placeholder":
             if n.name not in params and n.name != "mesh_coordinate":
                 return False
-        elif n.op != "call_function" or n.target not in CHEAP:
+        elif n.op != "call_function" or not (n.target in CHEAP or is_c10d(n)):
             return False
         else:
             todo.extend(n.all_input_nodes)

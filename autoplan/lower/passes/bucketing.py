@@ -8,10 +8,12 @@ layer's gradients. This pass does the same for whatever the plan moves, on the p
 and backward graphs (so the backward's re-gathers bucket too).
 
 Collectives join one bucket when they share a kind, a process group (and its size), a reduce op, a
-dtype, a phase and a layer instance (outside layers, a stretch: ``prefetch.stretches``), and their
-inputs are all ready before any of their results is read. A member's input counts as ready
-anywhere when it is made from parameters (placeholders) by cheap ops only (views, casts, chunk
-picks: ``fsdp_recompute.CHEAP``); those ops move up with the bucket. The bucket is issued no
+dtype and a layer instance (outside layers, a stretch: ``prefetch.stretches``), and their
+inputs are all ready before any of their results is read; moves of values made from parameters
+alone and moves of values the step computes never share one. A member's input counts as ready
+anywhere when it is made from parameters (placeholders) by cheap ops (views, casts, chunk picks:
+``fsdp_recompute.CHEAP``) and collectives only; those move up with the bucket (a weight gathered on
+one mesh dim and then on the other: its first bucket moves up with its second). The bucket is issued no
 earlier than its first member was, and right after its last member's input is made: a layer's
 weight gathers all go out where its first weight was gathered, its gradient reductions once its
 last gradient is made. Its wait stays where its first member's wait was (at least after the issue),
@@ -40,10 +42,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autoplan.lower.collectives import C10D_KINDS, c10d, communicates
+from autoplan.lower.collectives import C10D_KINDS, c10d, communicates, is_c10d
 from autoplan.lower.passes.fsdp_recompute import CHEAP
 from autoplan.lower.passes.prefetch import stretches
-from autoplan.trace.tracing import PHASE_KEY
 
 aten = torch.ops.aten
 
@@ -81,13 +82,15 @@ class _Member:
     nbytes: int  # full-size bytes: gathered output, or unreduced input
 
 
-def _cheap_from_placeholders(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes made from placeholders and buffers by cheap ops alone: movable anywhere earlier."""
+def _made_from_placeholders(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes made from placeholders and buffers by cheap ops and collectives alone (a weight's
+    shard cast, gathered on one mesh dim, then viewed): movable anywhere earlier, as every rank
+    moves them alike."""
     found: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             found.add(n)
-        elif n.op == "call_function" and n.target in CHEAP and not communicates(n):
+        elif n.op == "call_function" and (n.target in CHEAP and not communicates(n) or is_c10d(n)):
             if all(a in found for a in n.all_input_nodes):
                 found.add(n)
     return found
@@ -107,10 +110,11 @@ def _ancestors(n: fx.Node, within: set[fx.Node]) -> set[fx.Node]:
 
 def _key(n: fx.Node, region_key: str, stretch: dict[fx.Node, int]) -> tuple:
     """What members of one bucket share: kind, the collective's non-tensor arguments (reduce op,
-    group size, group name), dtype, phase, and layer instance (outside layers: the stretch, so the
-    embedding's and the output's moves stay apart)."""
+    group size, group name), dtype, and layer instance (outside layers: the stretch, so the
+    embedding's and the output's moves stay apart). The graph is one phase's (a re-gather copied
+    into the backward keeps its forward tag)."""
     where = n.meta.get(region_key) or stretch.get(n)
-    return (C10D_KINDS[n.target], n.args[1:], n.args[0].meta["val"].dtype, n.meta.get(PHASE_KEY), where)
+    return (C10D_KINDS[n.target], n.args[1:], n.args[0].meta["val"].dtype, where)
 
 
 def _full_bytes(n: fx.Node) -> int:
@@ -122,7 +126,7 @@ def plan_buckets(graph: fx.Graph, region_key: str, bucket_bytes: int) -> tuple[l
     """The buckets of two or more members, each in graph order, and the cheap parameter-made nodes
     they may move up."""
     index = {n: i for i, n in enumerate(graph.nodes)}
-    movable = _cheap_from_placeholders(graph)
+    movable = _made_from_placeholders(graph)
     stretch = stretches(graph, region_key)
     groups: dict[tuple, list[_Member]] = defaultdict(list)
     for n in graph.nodes:
@@ -134,7 +138,10 @@ def plan_buckets(graph: fx.Graph, region_key: str, bucket_bytes: int) -> tuple[l
         src = n.args[0]
         ready = -1 if src in movable else index[src]
         need = min(index[u] for u in waits[0].users)
-        groups[_key(n, region_key, stretch)].append(_Member(n, waits[0], ready, need, _full_bytes(n)))
+        # parameters' moves and the step's own never share a bucket: a weight's gather would wait
+        # for an activation's, and a gather of it on another mesh dim for both
+        key = (*_key(n, region_key, stretch), ready < 0)
+        groups[key].append(_Member(n, waits[0], ready, need, _full_bytes(n)))
 
     buckets: list[list[_Member]] = []
     for members in groups.values():
@@ -165,26 +172,65 @@ def bucket_collectives(graph: fx.Graph, region_key: str, bucket_bytes: int = DEF
         return BucketStats()
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    hoisted = {a for b in buckets for m in b for a in _ancestors(m.node.args[0], movable) if a.op != "placeholder"}
-    position = {n: float(i) for n, i in index.items()}  # where each original node is now
-    for members in buckets:
+    ups = [{a for m in b for a in _ancestors(m.node.args[0], movable) if a.op != "placeholder"} for b in buckets]
+    position = {n: float(i) for n, i in index.items()}  # where each node is now
+    moved: set[fx.Node] = set()  # nodes moved up by a bucket before them
+    done = []
+    order, needs = _dependencies_first(buckets, ups)
+    for i in order:
+        members = buckets[i]
+        # issued where planned: before the first node there that has not moved up since
         at = max(index[members[0].node], max(m.ready for m in members) + 1)
-        issue = next(n for n in nodes[at:] if n not in hoisted)
+        need = min(m.need for m in members)
+        issue = next((n for n in nodes[at : need + 1] if n not in moved), None)
+        if issue is None:
+            continue
         first_wait = min(index[m.wait] for m in members)
         wait_at = issue if first_wait <= index[issue] else nodes[first_wait]
-        ups = {a for m in members for a in _ancestors(m.node.args[0], movable) if a.op != "placeholder"}
-        for n in sorted((a for a in ups if position[a] > position[issue]), key=position.__getitem__):
+        if needs[i]:
+            # it reads another bucket's result (a gather of a gather on another mesh dim): that
+            # bucket's packing, collective and copies move up with it, as they now are, unless
+            # that bucket waits for something the step computes (then the member stays out)
+            movable = _made_from_placeholders(graph)
+            position = {n: float(k) for k, n in enumerate(graph.nodes)}
+            src = [m.node.args[0] for m in members]
+            members = [m for m, x in zip(members, src) if x in movable or position[x] < position[issue]]
+            if len(members) < 2:
+                continue
+            ups[i] = {a for m in members for a in _ancestors(m.node.args[0], movable) if a.op != "placeholder"}
+        for n in sorted((a for a in ups[i] if position[a] > position[issue]), key=position.__getitem__):
             issue.prepend(n)
             position[n] = position[issue] - 0.5
+            moved.add(n)
         _rewrite(graph, members, issue, wait_at)
-    for m in (m for b in buckets for m in b):
+        done.append(members)
+    for m in (m for b in done for m in b):
         graph.erase_node(m.wait)
         graph.erase_node(m.node)
     saved: dict[str, int] = {}
-    for b in buckets:
+    for b in done:
         kind = C10D_KINDS[b[0].node.target]
         saved[kind] = saved.get(kind, 0) + len(b) - 1
-    return BucketStats(sum(len(b) for b in buckets), len(buckets), tuple(sorted(saved.items())))
+    return BucketStats(sum(len(b) for b in done), len(done), tuple(sorted(saved.items())))
+
+
+def _dependencies_first(buckets: list[list[_Member]], ups: list[set[fx.Node]]) -> tuple[list[int], list[set[int]]]:
+    """Bucket indices, each after the buckets whose members it is made from (in graph order
+    otherwise; buckets on a cycle of such dependencies are left out: run unbucketed), and per
+    bucket those it is made from."""
+    owner = {m.node: i for i, b in enumerate(buckets) for m in b}
+    needs = [{owner[a] for a in u if a in owner} - {i} for i, u in enumerate(ups)]
+    order: list[int] = []
+    placed: set[int] = set()
+    progress = True
+    while progress:
+        progress = False
+        for i in range(len(buckets)):
+            if i not in placed and needs[i] <= placed:
+                order.append(i)
+                placed.add(i)
+                progress = True
+    return order, needs
 
 
 def _fake(like: torch.Tensor, shape: list[int]) -> torch.Tensor:
