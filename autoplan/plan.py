@@ -211,7 +211,8 @@ class Plan:
             f"autoplan plan on mesh {self._mesh_label()} for {self.device}",
             f"estimated step: {self.cost.total * 1e3:.2f} ms  (compute fwd {self.cost.compute_forward * 1e3:.2f}"
             f" / bwd {self.cost.compute_backward * 1e3:.2f}, comm fwd {self.cost.comm_forward * 1e3:.2f}"
-            f" / bwd {self.cost.comm_backward * 1e3:.2f} of which {self.cost.hidden_comm * 1e3:.2f} under compute,"
+            f" / bwd {self.cost.comm_backward * 1e3:.2f} of which {self.cost.hidden_comm * 1e3:.2f} under compute"
+            f" and {self.cost.bucket_latency * 1e3:.2f} buckets' latency beyond their moves' shares,"
             f" recompute {self.cost.recompute * 1e3:.2f}); MFU {self.cost.mfu:.1%}",
             f"recompute: {_recompute_line(self.recompute, self.checkpointed)}",
             *([f"mixed precision: {_precision_line(self.precision)}"] if self.precision else []),
