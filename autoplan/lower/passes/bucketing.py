@@ -23,8 +23,9 @@ full-size (gathered, or unreduced) values, so one bucket does not hold a whole m
 The flat layouts, per member ``x`` of ``n`` elements per rank on a group of ``W`` ranks:
 
 - all-gather: the members' shards are packed end to end, the gather returns ``[W, sum n]`` rank by
-  rank, and each member's ``[W, n]`` column block is copied out to its own gathered tensor (as
-  FSDP2's copy-out does: rank-major chunks of one member are not one view of the flat result);
+  rank, and each member's ``[W, n]`` column block is copied out to its own gathered tensor, all in
+  one ``split_with_sizes_copy`` (as FSDP2's copy-out does: rank-major chunks of one member are not
+  one view of the flat result);
 - reduce-scatter: each member's ``[W * n]`` input is viewed ``[W, n]`` and the blocks are packed
   column by column, so rank ``r``'s row holds every member's ``r``-th chunk; the result is
   ``[sum n]`` and each member's output is a view of its slice;
@@ -36,6 +37,7 @@ a backend orders the sum of more than two ranks' values inside one large collect
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -276,24 +278,15 @@ def _rewrite(graph: fx.Graph, members: list[_Member], issue: fx.Node, wait_at: f
         issued.meta[BUCKET_KEY] = len(members)
     with graph.inserting_before(wait_at):
         done = _call(graph, {**members[0].wait.meta}, c10d.wait_tensor.default, (issued,), out_val)
-        if kind == "all_gather":
+        if kind == "all_gather":  # each member's column block, copied out rank-major in one kernel
             rows = _view(graph, meta, done, [world, total], like)
-        offset = 0
-        for m, s in zip(members, sizes):
-            shape = list(m.wait.meta["val"].shape)
-            if kind == "all_gather":  # a member's column block, copied out rank-major
-                block = _call(graph, meta, aten.slice.Tensor, (rows, 1, offset, offset + s), _fake(like, [world, s]))
-                dense = _call(
-                    graph,
-                    meta,
-                    aten.clone.default,
-                    (block,),
-                    _fake(like, [world, s]),
-                    {"memory_format": torch.contiguous_format},
-                )
-                out = _view(graph, meta, dense, shape, like)
-            else:
-                part = _call(graph, meta, aten.slice.Tensor, (done, 0, offset, offset + s), _fake(like, [s]))
-                out = _view(graph, meta, part, shape, like)
-            m.wait.replace_all_uses_with(out)
-            offset += s
+            blocks = [_fake(like, [world, s]) for s in sizes]
+            split = _call(graph, meta, aten.split_with_sizes_copy.default, (rows, sizes, 1), blocks)
+            parts = [_call(graph, meta, operator.getitem, (split, j), b) for j, b in enumerate(blocks)]
+        else:  # each member's slice, a view
+            parts, offset = [], 0
+            for s in sizes:
+                parts.append(_call(graph, meta, aten.slice.Tensor, (done, 0, offset, offset + s), _fake(like, [s])))
+                offset += s
+        for m, part in zip(members, parts):
+            m.wait.replace_all_uses_with(_view(graph, meta, part, list(m.wait.meta["val"].shape), like))
