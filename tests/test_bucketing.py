@@ -112,7 +112,7 @@ def _is_matmul(n) -> bool:
     return n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
 
 
-def _one_step(mesh, pmod, ref, compiled: bool, plain) -> dict[str, torch.Tensor]:
+def _one_step(mesh, pmod, ref, compiled: bool, plain, io=IO) -> dict[str, torch.Tensor]:
     """Loss and gradients of one forward and backward of ``pmod`` on ``ref``'s first batch."""
     import autoplan.run.compile
 
@@ -120,21 +120,25 @@ def _one_step(mesh, pmod, ref, compiled: bool, plain) -> dict[str, torch.Tensor]
     pmod.init_weights()
     pmod.load_state_dict(ref.initial_state)
     run = torch.compile(pmod, backend=autoplan.run.compile.backend()) if compiled else pmod
-    out = run(distribute_tensor(ref.batches[0], mesh, IO).to_local())
-    loss = DTensor.from_local(out, mesh, IO, run_check=False).mean()
+    out = run(distribute_tensor(ref.batches[0], mesh, io).to_local())
+    loss = DTensor.from_local(out, mesh, io, run_check=False).mean()
     loss.backward()
     grads = {n: plain(p.grad.full_tensor()) for n, p in pmod.named_parameters()}
     return grads | {"loss": plain(loss.full_tensor())}
 
 
-def _unchanged(bucketed: dict, plain: dict) -> list[str]:
-    return [k for k in plain if not torch.equal(bucketed[k], plain[k])]
+def _unchanged(bucketed: dict, plain: dict, exact: bool = True) -> list[str]:
+    """What differs: bit for bit, or (Inductor, whose kernels fuse the packing and copies with the
+    compute around them differently) beyond fp32 rounding."""
+    if exact:
+        return [k for k in plain if not torch.equal(bucketed[k], plain[k])]
+    return [k for k in plain if not torch.allclose(bucketed[k], plain[k], rtol=1e-5, atol=1e-7)]
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "inductor"])
 def test_bucketing_changes_no_value_on_simulated_ranks(compiled):
     """FSDP over both mesh dims of 2x4: the bucketed program's loss and gradients equal the
-    unbucketed program's bit for bit."""
+    unbucketed program's bit for bit (eager; within fp32 rounding compiled)."""
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     ref = reference_run("llama", batch_rows=8)
     runs = {}
@@ -144,7 +148,7 @@ def test_bucketing_changes_no_value_on_simulated_ranks(compiled):
         assert (lowered.buckets.merged > 0) == (bucket_bytes is None)
         with LocalTensorMode(8):
             runs[bucket_bytes] = _one_step(mesh, pmod, ref, compiled, one_value)
-    assert not _unchanged(runs[None], runs[0])
+    assert not _unchanged(runs[None], runs[0], exact=not compiled)
 
 
 def _gloo_worker(rank: int, compiled: bool) -> list[str]:
@@ -152,17 +156,18 @@ def _gloo_worker(rank: int, compiled: bool) -> list[str]:
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     ref = reference_run("llama")
-    fsdp = [(target, (pl[0],)) for target, pl in FSDP]
+    fsdp, io = [(target, (pl[0],)) for target, pl in FSDP], (IO[0],)
     runs = []
     for options in ({"bucket_bytes": 0}, {}):
-        _, lowered, pmod = plan_and_apply(mesh, "llama", fsdp, **options)
-        runs.append(_one_step(mesh, pmod, ref, compiled, lambda t: t))
-    return _unchanged(runs[1], runs[0])
+        _, lowered, pmod = plan_and_apply(mesh, "llama", fsdp, io=io, **options)
+        runs.append(_one_step(mesh, pmod, ref, compiled, lambda t: t, io))
+    return _unchanged(runs[1], runs[0], exact=not compiled)
 
 
 @pytest.mark.slow  # ~40 s: two processes plan and run twice (LocalTensorMode checks the same by default)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
 def test_bucketing_changes_no_value_on_gloo(compiled):
     """On two gloo ranks (each sum has two terms, so the order cannot differ) the bucketed FSDP
-    program's loss and gradients equal the unbucketed one's bit for bit."""
+    program's loss and gradients equal the unbucketed one's bit for bit (eager; within fp32
+    rounding compiled)."""
     assert run_gloo(_gloo_worker, 2, compiled) == [[], []]
