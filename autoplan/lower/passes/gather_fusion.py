@@ -101,16 +101,19 @@ def fuse_gather_chains(graph: fx.Graph, mesh: DeviceMesh) -> FusionStats:
     return FusionStats(len(pairs), rejected)
 
 
+def _same_reduction(a: fx.Node, b: fx.Node) -> bool:
+    """Two reductions of a chain that one reduction over the whole mesh can stand for: one reduce
+    op, one dtype."""
+    return a.args[1] == b.args[1] and a.meta["val"].dtype == b.meta["val"].dtype
+
+
 def fuse_all_reduce_chains(graph: fx.Graph, mesh: DeviceMesh) -> FusionStats:
     """Fuse ``all_reduce(dim i) -> wait -> identity views -> all_reduce(dim j) -> wait`` (one
     reduce op) over a 2-D mesh into one all-reduce over the flattened mesh."""
     if mesh.ndim != 2:
         return FusionStats(0, 0)
 
-    def same(a: fx.Node, b: fx.Node) -> bool:
-        return a.args[1] == b.args[1] and a.meta["val"].dtype == b.meta["val"].dtype
-
-    pairs, rejected = _chain_pairs(graph, c10d.all_reduce.default, mesh, same)
+    pairs, rejected = _chain_pairs(graph, c10d.all_reduce.default, mesh, _same_reduction)
     for first, wait, views, second, second_wait, _ in pairs:
         with graph.inserting_before(second_wait):
             reduced = graph.call_function(
@@ -131,10 +134,7 @@ def fuse_reduce_scatter_chains(graph: fx.Graph, mesh: DeviceMesh) -> FusionStats
     if mesh.ndim != 2:
         return FusionStats(0, 0)
 
-    def same(a: fx.Node, b: fx.Node) -> bool:
-        return a.args[1] == b.args[1] and a.meta["val"].dtype == b.meta["val"].dtype
-
-    pairs, rejected = _chain_pairs(graph, c10d.reduce_scatter_tensor.default, mesh, same)
+    pairs, rejected = _chain_pairs(graph, c10d.reduce_scatter_tensor.default, mesh, _same_reduction)
     for first, wait, views, second, second_wait, inner in pairs:
         src, (n0, n1) = first.args[0], mesh.shape
         val = src.meta["val"]
