@@ -101,12 +101,14 @@ def _mlp_planner():
 
 def _free_then_capped(ap: AutoParallel, fraction: float):
     """The free plan, then the plan under a cap at ``fraction`` of its peak (which must not warn
-    that it exceeds the cap), and the cap."""
+    that it exceeds the cap), and the cap. Only that warning fails: a capped solve's seed trials
+    and polish are bounded in seconds, so on a loaded machine the polish may stop just outside the
+    gap asked for (1.12% against 1% on a CI run), which it rightly warns about."""
     free = ap.optimize_placement()
     cap = fraction * free.memory.peak_bytes
     ap.add_memory_constraint(bytes_per_device=cap)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no "exceeds bytes_per_device" warning
+        warnings.filterwarnings("error", message=".*exceeds bytes_per_device", category=UserWarning)
         capped = ap.optimize_placement()
     return free, capped, cap
 
