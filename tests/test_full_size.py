@@ -67,8 +67,9 @@ def test_llama3_8b_peak_caps_down_to_an_impossible_one():
     tightening peak caps (~4 min on 2 cores): each plan's estimate is within its cap, the step
     time grows as the cap tightens (each plan within its MIP gap of the optimum over a smaller set),
     the tightest cap is met by recomputing layers (a middle cap may be met by another split
-    instead), and a cap below any plan's peak raises an error naming the least peak found, at which
-    a plan is found."""
+    instead), and a cap below any plan's peak raises an error naming the least peak found. 13 GiB
+    is within 6% of that least peak: there the rows, which price recompute on the base schedule,
+    miss 1.2-1.5 GiB that the rounds bound once measured against the rows themselves."""
     import warnings
 
     from autoplan.bench import _planned
@@ -79,7 +80,7 @@ def test_llama3_8b_peak_caps_down_to_an_impossible_one():
     with warnings.catch_warnings():
         # no "exceeds bytes_per_device" warning (a polish stopped at its time limit may warn of its gap)
         warnings.filterwarnings("error", message=".*exceeds bytes_per_device", category=UserWarning)
-        for cap_gib in (80, 40, 20, 16):
+        for cap_gib in (80, 40, 20, 13):
             ap.add_memory_constraint(bytes_per_device=cap_gib * 2**30)
             plan = ap.optimize_placement()
             assert plan.memory.peak_bytes <= cap_gib * 2**30

@@ -155,10 +155,17 @@ class PeakRows:
         chosen: dict[fx.Node, Strategy],
         outputs: dict[int, Placements],
         budget: float,
+        solved: tuple[PlacementProblem, dict[fx.Node, int], tuple[str, ...]] | None = None,
     ) -> list[tuple[Point, float]]:
         """Where rows would bound a plan's bytes ``live`` over ``budget`` (its peak first, then
         other local maxima above it, at most ``MAX_POINTS``), and the bytes each row does not count:
-        one round bounds several peaks at once, not one peak per round."""
+        one round bounds several peaks at once, not one peak per round.
+
+        ``solved`` (the problem, its unit strategies and the options on) measures those bytes
+        against the row itself. Without it they are measured against the linear walk on the plan's
+        own schedule, which the rows match where nothing is recomputed; with recompute on, a row
+        counts what the options free and keep on the base schedule, which misses what the
+        recomputed schedule holds elsewhere (8B on 16x8 under a 13 GiB cap: 1.2-1.5 GiB at the steps bounded)."""
         left, right = np.r_[-np.inf, live[:-1]], np.r_[live[1:], -np.inf]
         maxima = np.flatnonzero((live > budget) & (live >= left) & (live > right))
         top = [int(np.argmax(live))] + [int(t) for t in maxima[np.argsort(-live[maxima], kind="stable")]]
@@ -176,7 +183,8 @@ class PeakRows:
             point = self._point(sched, at, moving > running)
             if point in found:
                 continue
-            found[point] = float(live[at]) - max(running, moving)
+            counted = max(running, moving) if solved is None else self.row_bytes(solved[0], point, outputs, *solved[1:])
+            found[point] = float(live[at]) - counted
             if len(found) == MAX_POINTS:
                 break
         return list(found.items())
@@ -228,57 +236,80 @@ class PeakRows:
         if peak_budget is None:
             return []
         index = {o.name: i for i, o in enumerate(options)}
-        rows = []
-        for (step, copy, moving), missed in sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]), kv[0][2])):
-            stored = timeline.stored_at(self.schedule, step, moving)
-            alive = [timeline.node_of(k) for k in stored]
-            made = {timeline.node_of(k) for k in timeline.live_storages(self.schedule, step)} - set(alive)
-            terms, recomputable = [], set()
-            for option in recompute.OPTIONS:
-                if not any(option_name(layer, option) in index for layer in self.layers):
-                    continue
-                changes = dict(self._changes_at(step, option, copy))
-                rerun = self._rerun_layer(copy, option)  # its keeps include the copy's input moves
-                if rerun is not None:
-                    changes.setdefault(rerun, ([], []))
-                for layer, (f, k) in changes.items():
-                    recomputable.update(f)
-                    if (i := index.get(option_name(layer, option))) is not None:
-                        keeps = self.storage_bytes(problem, k)
-                        if layer == rerun:
-                            keeps.add(self._input_prices(problem, [copy.node], self.move_bytes))
-                        terms.append((i, self.storage_bytes(problem, [n for n in f if n not in made]), keeps))
-            coeffs = tuple(self.storage_bytes(problem, alive).units.items())
-            # what a recompute option frees is taken off on its own term, not twice
-            held = [
-                (o, v)
-                for o, v in memory.held_by_views(self.schedule, stored, step)
-                if timeline.node_of(o) not in recomputable
-            ]
-            ops, views = memory.moves_at(self.schedule, step)
-            before = moving or copy is not None
-            moves = self._input_prices(problem, ops, self.move_bytes if before else self.copied)
-            moves.add(self._input_prices(problem, views, self.copied))
-            moves.add(self._input_prices(problem, [timeline.node_of(v) for _, v in held], self._dead_source))
-            # the gathers issued ahead of their reader (a layer's bucket, or prefetch), and the
-            # bucket's flat buffer where it is copied out
-            early = memory.issued_early(self.schedule, step) + memory.copied_out_at(self.schedule, step)
-            values = self.schedule.param_values
-            gathered = [(m, self.gathered) for n in early for m in self.into.get(n, ()) if m.value in values]
-            moves.add(priced_moves(problem, gathered, self._priced[1]))
-            grads = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, before)
-            moves.add(priced_moves(problem, [(g.move, price) for g, price in grads]))
-            if step == self.schedule.forward_end and not before:  # where the lowering moves the outputs
-                # as ``build_problem`` sums them: those into tangents' placements, then those into constraints
-                sinks = sorted(output_moves(self.tg, outputs), key=lambda m: m.dst is None)
-                moves.add(priced_moves(problem, [(m, self.move_bytes) for m in sinks]))
-            group = peak_group(peak_budget)
-            name = copy.name if copy is not None else self.schedule.order[step].name
-            where = f"{name}, its inputs moving" if moving else name
-            limit = peak_budget - missed
-            row = BudgetRow(f"{group} (at {where})", coeffs, limit, tuple(terms), peak_budget, moves)
-            rows.append(row)
-        return rows
+        order = sorted(steps.items(), key=lambda kv: (kv[0][0], _name(kv[0][1]), kv[0][2]))
+        return [self._row(problem, point, peak_budget, missed, outputs, index) for point, missed in order]
+
+    def row_bytes(
+        self, problem: PlacementProblem, point: Point, outputs: dict[int, Placements], choice, recompute
+    ) -> float:
+        """The bytes the row at ``point`` counts for the unit strategies ``choice`` (unit -> index)
+        with the options named in ``recompute`` on: what ``over`` holds a plan's walk against."""
+        index = {name: i for i, name in enumerate(recompute)}
+        row = self._row(problem, point, 0.0, 0.0, outputs, index)
+        total = sum(float(c[choice[u]]) for u, c in row.coeffs) + row.moves.at(problem, choice)
+        for _, frees, keeps in row.recompute:  # as the ILP's columns: 0 <= s <= frees, a >= max(keeps, 0)
+            total += max(keeps.at(problem, choice), 0.0) - max(frees.at(problem, choice), 0.0)
+        return total
+
+    def _row(
+        self,
+        problem: PlacementProblem,
+        point: Point,
+        peak_budget: float,
+        missed: float,
+        outputs: dict[int, Placements],
+        index: dict[str, int],
+    ) -> BudgetRow:
+        """The row bounding the peak at ``point`` by ``peak_budget`` less ``missed`` (``index``: the
+        recompute options' columns by name)."""
+        step, copy, moving = point
+        stored = timeline.stored_at(self.schedule, step, moving)
+        alive = [timeline.node_of(k) for k in stored]
+        made = {timeline.node_of(k) for k in timeline.live_storages(self.schedule, step)} - set(alive)
+        terms, recomputable = [], set()
+        for option in recompute.OPTIONS:
+            if not any(option_name(layer, option) in index for layer in self.layers):
+                continue
+            changes = dict(self._changes_at(step, option, copy))
+            rerun = self._rerun_layer(copy, option)  # its keeps include the copy's input moves
+            if rerun is not None:
+                changes.setdefault(rerun, ([], []))
+            for layer, (f, k) in changes.items():
+                recomputable.update(f)
+                if (i := index.get(option_name(layer, option))) is not None:
+                    keeps = self.storage_bytes(problem, k)
+                    if layer == rerun:
+                        keeps.add(self._input_prices(problem, [copy.node], self.move_bytes))
+                    terms.append((i, self.storage_bytes(problem, [n for n in f if n not in made]), keeps))
+        coeffs = tuple(self.storage_bytes(problem, alive).units.items())
+        # what a recompute option frees is taken off on its own term, not twice
+        held = [
+            (o, v)
+            for o, v in memory.held_by_views(self.schedule, stored, step)
+            if timeline.node_of(o) not in recomputable
+        ]
+        ops, views = memory.moves_at(self.schedule, step)
+        before = moving or copy is not None
+        moves = self._input_prices(problem, ops, self.move_bytes if before else self.copied)
+        moves.add(self._input_prices(problem, views, self.copied))
+        moves.add(self._input_prices(problem, [timeline.node_of(v) for _, v in held], self._dead_source))
+        # the gathers issued ahead of their reader (a layer's bucket, or prefetch), and the
+        # bucket's flat buffer where it is copied out
+        early = memory.issued_early(self.schedule, step) + memory.copied_out_at(self.schedule, step)
+        values = self.schedule.param_values
+        gathered = [(m, self.gathered) for n in early for m in self.into.get(n, ()) if m.value in values]
+        moves.add(priced_moves(problem, gathered, self._priced[1]))
+        grads = memory.gradient_prices(self.grads, step, self.move_bytes, self.mesh_shape, before)
+        moves.add(priced_moves(problem, [(g.move, price) for g, price in grads]))
+        if step == self.schedule.forward_end and not before:  # where the lowering moves the outputs
+            # as ``build_problem`` sums them: those into tangents' placements, then those into constraints
+            sinks = sorted(output_moves(self.tg, outputs), key=lambda m: m.dst is None)
+            moves.add(priced_moves(problem, [(m, self.move_bytes) for m in sinks]))
+        group = peak_group(peak_budget)
+        name = copy.name if copy is not None else self.schedule.order[step].name
+        where = f"{name}, its inputs moving" if moving else name
+        limit = peak_budget - missed
+        return BudgetRow(f"{group} (at {where})", coeffs, limit, tuple(terms), peak_budget, moves)
 
     def _dead_source(self, made: Placements, read: Placements, meta) -> float:
         """Minus the bytes of a value a view reads moved, where that view alone kept it alive

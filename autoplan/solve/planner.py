@@ -234,9 +234,11 @@ class Planner:
             )
             if not over:
                 return _Solved(problem, solved, chosen, True, steps, build_s, solve_s)
-            for t, missed in self.peak.over(sched, live, chosen, request.outputs, request.peak_budget):
+            bounded = set(steps)  # not the analogues this round adds
+            at = (problem, solved.choice, solved.recompute)
+            for t, missed in self.peak.over(sched, live, chosen, request.outputs, request.peak_budget, at):
                 missed = max(steps.get(t, 0.0), missed)
-                if t in steps and missed <= steps[t]:  # the row holds only within the solver's tolerance
+                if t in bounded and missed <= steps[t]:  # the row holds only within the solver's tolerance
                     missed = steps[t] + report.peak_bytes - request.peak_budget
                 self.peak.bound(steps, t, missed)
         return _Solved(problem, solved, chosen, False, steps, build_s, solve_s)
@@ -377,7 +379,7 @@ class Planner:
                 break
             try:
                 opts = dataclasses.replace(self.solve_options, time_limit=left)
-                _, solved, chosen = self._solve(
+                problem, solved, chosen = self._solve(
                     request, self.clustering, self.strategies, cost_model, steps, opts, smallest_peak=True
                 )
             except SolverTimeoutError:
@@ -386,7 +388,8 @@ class Planner:
             least = report.peak_bytes if least is None else min(least, report.peak_bytes)
             if report.peak_bytes <= solved.peak + 1.0:
                 break
-            points = self.peak.over(sched, live, chosen, request.outputs, solved.peak + 1.0)
+            at = (problem, solved.choice, solved.recompute)
+            points = self.peak.over(sched, live, chosen, request.outputs, solved.peak + 1.0, at)
             if all(t in steps and missed <= steps[t] for t, missed in points):
                 break
             for t, missed in points:

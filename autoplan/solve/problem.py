@@ -90,6 +90,15 @@ class Linear:
         for group, values in other.edges.items():
             self.add_edge(group, values)
 
+    def at(self, problem: PlacementProblem, choice: dict[fx.Node, int]) -> float:
+        """Its value where each unit takes strategy ``choice[unit]`` (each edge group then takes the
+        placement pair of its two units' strategies)."""
+        total = sum(float(np.asarray(v)[choice[u]]) for u, v in self.units.items())
+        for g, v in self.edges.items():
+            e = problem.edges[g]
+            total += float(np.asarray(v)[e.src_label[choice[e.src]], e.dst_label[choice[e.dst]]])
+        return total
+
 
 @dataclass(frozen=True)
 class OverlapSegment:
