@@ -303,7 +303,19 @@ def test_the_outputs_gradients_live_to_the_end_of_the_backward():
     assert held[last] - dropped[last] == memory.value_bytes(tangent, chosen[tangent].outputs, (2, 2)) > 0
 
 
-def test_peak_rows_count_exactly_what_the_walk_does():
+@pytest.fixture
+def sharded_debug():
+    """LLaMA debug on 2x2 with a quarter of its parameters per device, and its plan: FSDP-like,
+    gradients made in other placements than their parameters', views reading inputs moved whole."""
+    model, cfg = named_model("llama3-debug", torch.float32)
+    with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
+        ap.add_input_constraints([IO])
+        ap.add_output_constraints([IO])
+        ap.add_memory_constraint(param_fraction=1 / 4)
+        yield ap, ap.optimize_placement()
+
+
+def test_peak_rows_count_exactly_what_the_walk_does(sharded_debug):
     """The ILP's rows and the liveness walk agree byte for byte at the plan's highest steps, on an
     FSDP-like LLaMA plan whose gradients are made in other placements than their parameters' (each
     moved where it is made: its buffers, then its moved copy, priced on the gradient's edge) and
@@ -314,49 +326,39 @@ def test_peak_rows_count_exactly_what_the_walk_does():
     at its gather, and the rows take its bytes off where the view's move is made."""
     from autoplan.cost import memory
 
-    model, cfg = named_model("llama3-debug", torch.float32)
-    with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
-        ap.add_input_constraints([IO])
-        ap.add_output_constraints([IO])
-        ap.add_memory_constraint(param_fraction=1 / 4)
-        plan = ap.optimize_placement()
-        planner = ap._planner()
-        chosen = planner._start_of(plan)
-        peak = planner.peak
-        walk = memory.walk(planner.tg, chosen, planner.mesh_shape, planner.optimizer, peak.schedule, peak.move_bytes)
-        points = peak.over(peak.schedule, walk.live, chosen, {}, 0.0)
+    ap, plan = sharded_debug
+    planner = ap._planner()
+    chosen = planner._start_of(plan)
+    peak = planner.peak
+    walk = memory.walk(planner.tg, chosen, planner.mesh_shape, planner.optimizer, peak.schedule, peak.move_bytes)
+    points = peak.over(peak.schedule, walk.live, chosen, {}, 0.0)
     assert sum(r.consumer.startswith("grad:") for r in plan.redistributions) > 0
     assert len(points) == 8 and [missed for _, missed in points] == [0.0] * 8
     assert {moving for (_, _, moving), _ in points} == {False, True}
     assert walk.report.peak_bytes == plan.memory.peak_bytes
 
 
-def test_a_row_evaluated_at_its_solve_counts_what_the_walk_does():
+def test_a_row_evaluated_at_its_solve_counts_what_the_walk_does(sharded_debug):
     """``PeakRows.row_bytes`` (what ``over`` measures a plan against once it has the solve) reads
-    the rows as the ILP does: on the plan above, solved again with those steps bounded, each
+    the rows as the ILP does: on the ``sharded_debug`` plan, solved again with its highest steps bounded, each
     row's bytes at the solve's choice are the walk's, byte for byte."""
     from autoplan.cost import memory
     from autoplan.cost.costs import CostModel
     from autoplan.solve.planner import Request
 
-    model, cfg = named_model("llama3-debug", torch.float32)
-    with AutoParallel(model, fake_mesh((2, 2)), lambda: torch.randint(0, cfg.vocab_size, (4, 64))) as ap:
-        ap.add_input_constraints([IO])
-        ap.add_output_constraints([IO])
-        ap.add_memory_constraint(param_fraction=1 / 4)
-        plan = ap.optimize_placement()
-        planner, outputs = ap._planner(), ap._output_placements()
-        peak = planner.peak
-        request = Request(ap._fixed_outputs(), outputs, ap._param_budget, peak_budget=2 * plan.memory.peak_bytes)
-        start = planner._start_of(plan)
-        walk = memory.walk(planner.tg, start, planner.mesh_shape, planner.optimizer, peak.schedule, peak.move_bytes)
-        steps = {t: 0.0 for t, _ in peak.over(peak.schedule, walk.live, start, outputs, 0.0)}
-        cost_model = CostModel(planner.mesh, planner.device_profile)
-        args = (request, planner.clustering, planner.strategies, cost_model, steps, planner.solve_options)
-        problem, solved, chosen = planner._solve(*args, start=start)
-        live = memory.walk(planner.tg, chosen, planner.mesh_shape, planner.optimizer, peak.schedule, peak.move_bytes)
-        at = (problem, solved.choice, solved.recompute)
-        points = peak.over(peak.schedule, live.live, chosen, outputs, 0.0, at)
+    ap, plan = sharded_debug
+    planner, outputs = ap._planner(), ap._output_placements()
+    peak = planner.peak
+    request = Request(ap._fixed_outputs(), outputs, ap._param_budget, peak_budget=2 * plan.memory.peak_bytes)
+    start = planner._start_of(plan)
+    walk = memory.walk(planner.tg, start, planner.mesh_shape, planner.optimizer, peak.schedule, peak.move_bytes)
+    steps = {t: 0.0 for t, _ in peak.over(peak.schedule, walk.live, start, outputs, 0.0)}
+    cost_model = CostModel(planner.mesh, planner.device_profile)
+    args = (request, planner.clustering, planner.strategies, cost_model, steps, planner.solve_options)
+    problem, solved, chosen = planner._solve(*args, start=start)
+    live = memory.walk(planner.tg, chosen, planner.mesh_shape, planner.optimizer, peak.schedule, peak.move_bytes)
+    at = (problem, solved.choice, solved.recompute)
+    points = peak.over(peak.schedule, live.live, chosen, outputs, 0.0, at)
     assert len(steps) == 8 and solved.recompute == ()
     assert len(points) == 8 and all(abs(missed) < 1.0 for _, missed in points), points
     assert {t for t, _ in points} & set(steps)

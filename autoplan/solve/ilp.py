@@ -110,6 +110,16 @@ class BudgetRow:
     cap: float | None = None  # a peak row's cap (``limit`` = cap - bytes the row misses)
     moves: Linear | None = None  # bytes of the copies the step's op makes of its moved inputs
 
+    def at(self, problem: PlacementProblem, choice: dict[fx.Node, int]) -> float:
+        """The row's bytes where each unit takes strategy ``choice[unit]`` and every option in
+        ``recompute`` is on, as the solve's columns read them (``_recompute_bytes``:
+        ``0 <= s <= frees``, ``a >= max(keeps, 0)``)."""
+        total = sum(float(c[choice[u]]) for u, c in self.coeffs)
+        total += self.moves.at(problem, choice) if self.moves is not None else 0.0
+        for _, frees, keeps in self.recompute:
+            total += max(keeps.at(problem, choice), 0.0) - max(frees.at(problem, choice), 0.0)
+        return total
+
 
 def undominated(
     problem: PlacementProblem,

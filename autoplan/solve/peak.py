@@ -245,11 +245,7 @@ class PeakRows:
         """The bytes the row at ``point`` counts for the unit strategies ``choice`` (unit -> index)
         with the options named in ``recompute`` on: what ``over`` holds a plan's walk against."""
         index = {name: i for i, name in enumerate(recompute)}
-        row = self._row(problem, point, 0.0, 0.0, outputs, index)
-        total = sum(float(c[choice[u]]) for u, c in row.coeffs) + row.moves.at(problem, choice)
-        for _, frees, keeps in row.recompute:  # as the ILP's columns: 0 <= s <= frees, a >= max(keeps, 0)
-            total += max(keeps.at(problem, choice), 0.0) - max(frees.at(problem, choice), 0.0)
-        return total
+        return self._row(problem, point, 0.0, 0.0, outputs, index).at(problem, choice)
 
     def _row(
         self,
