@@ -1,7 +1,7 @@
 """The torch functions tracing runs as the kernels a GPU runs: ``F.scaled_dot_product_attention``
 as one aten attention kernel of the chosen backend, ``F.batch_norm`` with reductions the planner
-can split, ``torch._grouped_mm`` in any floating dtype and ``F.dropout`` as the fused kernel; and
-the module path of the op being traced, which errors name."""
+can split, ``torch._grouped_mm`` in any floating dtype, recurrent layers unrolled over time and
+``F.dropout`` as the fused kernel; and the module path of the op being traced, which errors name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from autoplan.trace import attention as attn
-from autoplan.trace import grouped_mm
+from autoplan.trace import grouped_mm, recurrent
 from autoplan.trace.batch_norm import batch_norm
 
 aten = torch.ops.aten
@@ -91,7 +91,8 @@ class TracedFunctions(TorchFunctionMode):
     """While tracing, ``F.scaled_dot_product_attention`` calls the aten kernel ``option`` picks (the
     host's own dispatch for ``"cpu"``), ``F.batch_norm`` computes its statistics with reductions
     the planner can split (``autoplan.trace.batch_norm``), ``torch._grouped_mm`` runs in any
-    floating dtype (``autoplan.trace.grouped_mm``) and ``F.dropout`` is the one fused kernel a GPU
+    floating dtype (``autoplan.trace.grouped_mm``), recurrent layers are unrolled over time
+    (``autoplan.trace.recurrent``) and ``F.dropout`` is the one fused kernel a GPU
     runs (``aten.native_dropout``): the CPU's way, a fresh mask filled in place, would send every
     model training with dropout through the slower functionalizing trace, where Hugging Face's
     checks for tracing no longer see fake tensors and read mask values."""
@@ -110,6 +111,8 @@ class TracedFunctions(TorchFunctionMode):
             return grouped_mm.in_any_dtype(*args, **kwargs)
         if func is F.dropout:
             return fused_dropout(*args, **kwargs)
+        if func in recurrent.FUNCTIONS:
+            return recurrent.FUNCTIONS[func](*args, **kwargs)
         return func(*args, **kwargs)
 
 
