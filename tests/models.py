@@ -122,10 +122,11 @@ class SelfAttention(nn.Module):
 
 class BasicBlock(nn.Module):
     """A ResNet basic block: two 3x3 convolutions with BatchNorm, a projected shortcut when the width
-    or stride changes."""
+    or stride changes; ``act`` is the activation (ReLU, or a smooth one for fp32 comparisons)."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+    def __init__(self, c_in: int, c_out: int, stride: int = 1, act=F.relu):
         super().__init__()
+        self.act = act
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
@@ -135,21 +136,25 @@ class BasicBlock(nn.Module):
             self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+        y = self.act(self.bn1(self.conv1(x)))
+        return self.act(self.bn2(self.conv2(y)) + self.shortcut(x))
 
 
 class ResNet(nn.Module):
     """A small ResNet as users write it: a stem, BasicBlocks of growing widths in one ``nn.Sequential``
-    (same class, different shapes), global pooling and a classifier with a class count no mesh splits."""
+    (same class, different shapes), global pooling and a classifier with a class count no mesh splits.
+    ``smooth`` puts SiLU where ReLU was: fp32 runs that sum in different orders then differ by rounding
+    only, where ReLU's derivative jumps for a value within rounding of 0."""
 
-    def __init__(self, widths=(8, 16, 32), blocks_per_width: int = 2, classes: int = 10):
+    def __init__(self, widths=(8, 16, 32), blocks_per_width: int = 2, classes: int = 10, smooth: bool = False):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        act = F.silu if smooth else F.relu
+        stem_act = nn.SiLU() if smooth else nn.ReLU()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), stem_act)
         blocks, c_in = [], widths[0]
         for i, c in enumerate(widths):
             for j in range(blocks_per_width):
-                blocks.append(BasicBlock(c_in, c, stride=2 if i > 0 and j == 0 else 1))
+                blocks.append(BasicBlock(c_in, c, stride=2 if i > 0 and j == 0 else 1, act=act))
                 c_in = c
         self.blocks = nn.Sequential(*blocks)
         self.fc = nn.Linear(c_in, classes)
@@ -364,3 +369,39 @@ class CapacityMoE(nn.Module):
         buffer, chosen, slot, scores = dispatch(tokens, self.router(tokens))
         out = torch.bmm(F.gelu(torch.bmm(buffer, self.w1)), self.w2)
         return (x + combine(out, chosen, slot, scores).reshape(b, s, d)).sum(-1)
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 as torchvision lays it out: a 7x7 stride-2 stem, max pooling, four stages of two
+    BasicBlocks (64 to 512 channels), global average pooling and a classifier."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        stages, c_in = [], 64
+        for i, c in enumerate((64, 128, 256, 512)):
+            stages.append(nn.Sequential(BasicBlock(c_in, c, 1 if i == 0 else 2), BasicBlock(c, c)))
+            c_in = c
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class LSTMLanguageModel(nn.Module):
+    """Token embeddings, a two-layer ``nn.LSTM`` (batch first, dropout between the layers off) and a
+    head over the vocabulary."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, dim, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(ids))[0])
