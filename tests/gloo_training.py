@@ -138,7 +138,19 @@ def parallel(rank: int, case: Case, shape: tuple[int, ...]) -> dict:
         "outcome": _to_bytes(Outcome(losses, grads, final)),
         "summary": plan.summary(),
         "collectives": ap.lowered.collective_counts(),
+        "batch_split": batch_split_share(plan, ap.traced.gm),
     }
+
+
+_COMPUTE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.convolution.default}
+
+
+def batch_split_share(plan, gm) -> float:
+    """The share of the forward's matmuls and convolutions that read their first input split on
+    its dim 0 (the batch, or the flattened batch and sequence) over some mesh dim."""
+    nodes = [n for n in gm.graph.nodes if n.target in _COMPUTE and n.meta.get("autoplan_phase") == "forward"]
+    split = [n for n in nodes if Shard(0) in plan.nodes[n.name].inputs[0]]
+    return len(split) / max(len(nodes), 1)
 
 
 def _to_bytes(outcome: Outcome) -> bytes:

@@ -51,7 +51,8 @@ CASES = {
     "resnet18_fp64": lambda: Case(
         ResNet18, _images(64, 32, 10, torch.float64), dtype=torch.float64, param_fraction=1 / 4
     ),
-    "lstm": lambda: Case(LSTMLanguageModel, _tokens(8, 12, 96)),
+    # a batch large enough that running the recurrence split beats running it whole
+    "lstm": lambda: Case(lambda: LSTMLanguageModel(dim=128), _tokens(64, 16, 96)),
 }
 
 
@@ -75,6 +76,7 @@ def test_resnet_and_lstm_train_as_one_device_on_gloo():
     resnet, lstm = _check(run_gloo(_worker, 4, names), names)
     assert resnet["collectives"].get("all_reduce", 0) > 0  # the BatchNorm statistics, over the split batch
     assert "mkldnn_rnn_layer" not in lstm["summary"]
+    assert resnet["batch_split"] > 0.9 and lstm["batch_split"] > 0.9, (resnet["batch_split"], lstm["batch_split"])
 
 
 @pytest.mark.slow  # ResNet-18 at batch 64 in float64 on 4 processes: about a minute

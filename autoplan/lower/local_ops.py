@@ -3,7 +3,9 @@
 Our own op rules, replicate-only fallbacks, a convolution split as DTensor's handler refuses, a
 grouped matmul split over its experts, and GPU attention kernels on a CPU mesh (through their host
 twin, with the kernel's outputs rebuilt around it): each unwraps its DTensor arguments, runs the op
-on the local tensors and wraps the results in the placements the plan chose.
+on the local tensors and wraps the results in the placements the plan chose. Ops whose arguments
+name global shapes or positions (``empty``'s size, an ``as_strided`` view's, an embedding bag's
+offsets and table rows) get the local shard's (``LOCAL_CALLS``).
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autoplan.adapters import dtensor as dt
+from autoplan.adapters.ops import schema
 from autoplan.adapters.pytree import tree_flatten, tree_map, tree_unflatten
 from autoplan.cost.costs import largest_shard_shape as padded_shape
 from autoplan.lower.validate import LoweringError
+from autoplan.shard.strategies import as_strided_offset, bag_length, op_arg
 from autoplan.trace import attention, grouped_mm, regions
 from autoplan.trace.tracing import PATH_KEY
+
+aten = torch.ops.aten
 
 
 def _local_lengths(spec: attention.SdpaOp, args, kwargs) -> tuple[list, dict]:
@@ -135,6 +141,120 @@ def _run_experts(node: fx.Node, args, kwargs, mesh: DeviceMesh, dims: list[int],
     return grouped_mm.expert_block(node.target, a, b, offs, block, n_local)
 
 
+def _local_empty(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate: torch.Tensor):
+    """``empty`` of the rank's shard of the traced shape."""
+    shape = padded_shape(node.meta["val"].shape, chosen.outputs[0], mesh.shape)
+    return node.target(list(shape), *args[1:], **kwargs)
+
+
+def _local_as_strided(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate: torch.Tensor):
+    """An ``as_strided`` view (or ``as_strided_scatter``) of the rank's rows: its base in the traced
+    layout (a move's result is contiguous), the view's rows as many as the shard's, its offset from
+    the local base's first element. Its strides hold locally: within a row of the base nothing
+    changes, and the rows of a view that keeps them step by the traced stride
+    (``strategies.as_strided_offset``). Any other view runs as traced, on a whole base."""
+    op, rel = node.target, as_strided_offset(node)
+    if rel is None:
+        return op(*args, **kwargs)
+    traced = node.args[0].meta["val"]
+    base = op_arg(op, args, kwargs, "self")
+    if tuple(base.stride()) != tuple(traced.stride()):
+        base = in_layout_of(base, traced)
+    size, stride = list(op_arg(op, args, kwargs, "size")), op_arg(op, args, kwargs, "stride")
+    if op is aten.as_strided_scatter.default:
+        src = op_arg(op, args, kwargs, "src")
+        return op(base, src, [src.shape[0], *size[1:]], stride, rel)
+    size[0] = padded_shape(node.meta["val"].shape, chosen.outputs[0], mesh.shape)[0]
+    return op(base, size, stride, base.storage_offset() + rel)
+
+
+def _local_random(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate: torch.Tensor):
+    """A random op drawn whole, as one device draws it, and the rank's shard of it kept (each split
+    mesh dim in mesh order, the rank's chunk picked by its coordinate)."""
+    drawn = node.target(*args, **kwargs)
+    for i, p in enumerate(chosen.outputs[0]):
+        d, n = dt.shard_dim(p), mesh.shape[i]
+        if d is not None and n > 1:
+            chunks = drawn.unflatten(d, (n, drawn.shape[d] // n))
+            drawn = chunks.index_select(d, coordinate[i : i + 1]).flatten(d, d + 1)
+    return drawn
+
+
+def _block(mesh: DeviceMesh, placements, coordinate: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """This rank's block of a tensor split on dim 0 (numbered over the splitting mesh dims in mesh
+    order, as DTensor nests them) and how many blocks there are; ``None`` where dim 0 is whole."""
+    dims = [i for i, p in enumerate(placements) if dt.shard_dim(p) == 0]
+    if not dims:
+        return None, 1
+    block = coordinate[dims[0]]
+    for d in dims[1:]:
+        block = block * mesh.shape[d] + coordinate[d]
+    return block, math.prod(mesh.shape[d] for d in dims)
+
+
+def _local_embedding_bag(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate: torch.Tensor):
+    """An embedding bag op on the rank's bags and table rows (``strategies._embedding_bag_rows``).
+
+    Split over the bags, the local offsets start at the local indices (the first one subtracted),
+    and the bag of each index (``offset2bag``) is numbered as on one device wherever it travels:
+    the forward adds the rank's first bag, the backward takes it off. Split over the table's rows,
+    the indices of other ranks' rows read an extra zero row past the local ones: the forward looks
+    them up in the table with that row added, the backward makes its gradient and drops it."""
+    op = node.target
+    args, kwargs = list(args), dict(kwargs)
+    positions = {a.name: i for i, a in enumerate(schema(op).arguments)}
+    names = [a.name for a in schema(op).arguments if isinstance(op_arg(op, node.args, node.kwargs, a.name), fx.Node)]
+    placed = dict(zip(names, chosen.inputs))
+
+    def get(name: str):
+        return op_arg(op, args, kwargs, name)
+
+    def put(name: str, value) -> None:
+        if positions[name] < len(args):
+            args[positions[name]] = value
+        else:
+            kwargs[name] = value
+
+    first_bag = None
+    if any(dt.shard_dim(p) == 0 for p in placed["indices"]):
+        offsets = get("offsets")
+        start = offsets[0]
+        put("offsets", offsets - start)
+        first_bag = start // bag_length(node)
+        if "offset2bag" in placed and get("offset2bag").numel():
+            put("offset2bag", get("offset2bag") - first_bag)
+    backward = op is aten._embedding_bag_backward.default
+    block, ways = _block(mesh, chosen.outputs[0] if backward else placed["weight"], coordinate)
+    if block is not None:
+        n_rows = get("num_weights") // ways if backward else get("weight").shape[0]
+        indices = get("indices")
+        local = indices - block * n_rows
+        put("indices", torch.where((local >= 0) & (local < n_rows), local, n_rows).to(indices.dtype))
+        if backward:
+            put("num_weights", n_rows + 1)
+        else:
+            weight = get("weight")
+            put("weight", torch.cat([weight, weight.new_zeros(1, *weight.shape[1:])]))
+    result = op(*args, **kwargs)
+    if block is not None and backward:
+        result = result.narrow(0, 0, n_rows)
+    if first_bag is not None and op is aten._embedding_bag.default and result[1].numel():
+        result = (result[0], result[1] + first_bag, *result[2:])
+    return result
+
+
+# ops of our rules that run with arguments of their own for the local shards
+LOCAL_CALLS = {
+    aten.empty.memory_format: _local_empty,
+    aten.bernoulli.p: _local_random,
+    aten.as_strided.default: _local_as_strided,
+    aten.as_strided_scatter.default: _local_as_strided,
+    aten._embedding_bag.default: _local_embedding_bag,
+    aten._embedding_bag_backward.default: _local_embedding_bag,
+    aten._embedding_bag_per_sample_weights_backward.default: _local_embedding_bag,
+}
+
+
 def run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate: torch.Tensor):
     """Ops DTensor has no rule for (ours, or replicate-only fallbacks): run on the local shards.
 
@@ -150,6 +270,8 @@ def run_local(node: fx.Node, args, kwargs, mesh: DeviceMesh, chosen, coordinate:
         result = args[0]
     elif experts:
         result = _run_experts(node, args, kwargs, mesh, experts, coordinate)
+    elif node.target in LOCAL_CALLS:
+        result = LOCAL_CALLS[node.target](node, args, kwargs, mesh, chosen, coordinate)
     elif spec is None or spec.backend == "cpu":
         result = node.target(*args, **kwargs)
     elif mesh.device_type == "cpu":

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.adapters import dtensor as dt
-from autoplan.adapters.ops import OpOverload
+from autoplan.adapters.ops import OpOverload, schema
 from autoplan.adapters.pytree import tree_map
 from autoplan.errors import UnsupportedOpError
 from autoplan.progress import progress
@@ -244,6 +244,138 @@ def _factory_rows(node: fx.Node) -> list[tuple]:
     return []
 
 
+def _empty_rows(node: fx.Node) -> list[tuple]:
+    """``empty``: memory its readers fill (stochastic depth's ``empty(...).bernoulli_(p)``), so any rank
+    can make just its shard of it, split on any dim (``local_ops`` passes the shard's shape)."""
+    return [(Shard(d),) for d in range(node.meta["val"].dim())]
+
+
+def _random_rows(node: fx.Node) -> list[tuple]:
+    """A random op (``bernoulli``: stochastic depth's mask) draws the whole tensor on every rank, from
+    the generator state one device draws it from, and keeps its own shard of it (``local_ops``),
+    split on any dim: its readers split the batch with no move between. Drawn split, each rank
+    would draw the first values of the stream for its own shard, and the step would no longer be
+    one device's. (Priced as the shard it keeps: a mask is a few bytes per sample.)"""
+    return [(Shard(d), Replicate()) for d in range(node.meta["val"].dim())]
+
+
+def op_arg(op: OpOverload, args: Sequence, kwargs: dict, name: str):
+    """Argument ``name`` of a call of ``op``: positional, keyword, or the schema's default."""
+    for i, a in enumerate(schema(op).arguments):
+        if a.name == name:
+            return args[i] if i < len(args) and not a.kwarg_only else kwargs.get(name, a.default_value)
+    raise KeyError(f"{op} has no argument {name!r}")
+
+
+def _node_arg(node: fx.Node, name: str):
+    return op_arg(node.target, node.args, node.kwargs, name)
+
+
+def _dense_rows_outermost(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its storage span without gaps or overlaps, dim 0 outermost: each index of
+    dim 0 owns one block of ``numel / size(0)`` elements, the blocks in order (any dim order inside)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return False
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride)
+    expected = 1
+    for d in dims:
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return t.shape[0] == 1 or dims[-1] == 0
+
+
+def as_strided_offset(node: fx.Node) -> int | None:
+    """Where an ``as_strided`` view (or ``as_strided_scatter``'s) starts, counted from its base's first
+    element: ``as_strided`` counts its offset in the base's storage, ``as_strided_scatter`` in the
+    fresh copy of its base it writes into. ``None`` for a view the batch split cannot take: one
+    whose dim 0 does not step over the base's rows block by block (each view row of ``stride[0]``
+    elements, ``size[0] * stride[0]`` of them all, the base dense with its rows outermost) or that
+    reaches outside its own block (``autoplan.lower.local_ops`` relies on this for local shapes)."""
+    base = node.args[0].meta["val"]
+    size, stride = _node_arg(node, "size"), _node_arg(node, "stride")
+    offset = _node_arg(node, "storage_offset")
+    if node.target is aten.as_strided.default:
+        rel = 0 if offset is None else offset - base.storage_offset()
+    else:
+        rel = offset or 0
+    if not size or not _dense_rows_outermost(base) or min(size) <= 0 or min(stride) < 0:
+        return None
+    reach = rel + sum((n - 1) * s for n, s in zip(size[1:], stride[1:]))
+    if size[0] * stride[0] != base.numel() or rel < 0 or reach >= stride[0]:
+        return None
+    return rel
+
+
+def _as_strided_rows(node: fx.Node) -> list[tuple]:
+    """``as_strided`` (and ``as_strided_scatter``, which writes ``src`` through such a view of a copy
+    of ``self``), as a view that takes some elements: a partial sum's parts view apart; and where
+    the view keeps its base's rows (``as_strided_offset``; a view's gradient scatters into a flat
+    buffer of its base, whose dim 0 then is every element) split on dim 0 alike, each rank viewing
+    its own rows."""
+    P, S0 = Partial(), Shard(0)
+    n = len(tensor_inputs(node)) + 1
+    rows = [(P,) * n]
+    if as_strided_offset(node) is not None:
+        rows.append((S0,) * n)
+    return rows
+
+
+def bag_length(node: fx.Node) -> int | None:
+    """The length of every bag of an embedding bag op whose bags lie end to end, all of one length
+    (``F.embedding_bag`` on a 2-D input makes its offsets ``arange(0, n, L)`` over the ``n``
+    indices): then an even split of the indices splits the bags, each rank holding whole ones.
+    ``None`` for offsets the caller gives, whose bags a split of the indices could cut through."""
+    offsets, indices = _node_arg(node, "offsets"), _node_arg(node, "indices")
+    while isinstance(offsets, fx.Node) and offsets.target is aten.alias.default:
+        offsets = offsets.args[0]
+    if not isinstance(offsets, fx.Node) or offsets.target not in (aten.arange.start, aten.arange.start_step):
+        return None
+    if node.target is aten._embedding_bag.default and _node_arg(node, "include_last_offset"):
+        return None
+    start, end, step = (*offsets.args, 1)[:3]
+    n = indices.meta["val"].numel()
+    ok = start == 0 and end == n > 0 and isinstance(step, int) and step > 0 and n % step == 0
+    return step if ok else None
+
+
+def _embedding_bag_rows(node: fx.Node) -> list[tuple] | None:
+    """``_embedding_bag`` (``nn.EmbeddingBag``) and its backward ops, split over the bags where they
+    lie end to end (``bag_length``): the indices, offsets, per-sample weights and every per-bag and
+    per-index value alike, the table whole, its gradient a partial sum over the bags. Or, in sum
+    and mean mode without a padding index, over the table's rows: each rank looks up its own rows,
+    reading the others as a zero row (``local_ops``), so the bags are partial sums (a mean's over
+    the whole bag's count) and the table's gradient comes out split. ``None`` (no rule) for sparse
+    gradients."""
+    op = node.target
+    forward = op is aten._embedding_bag.default
+    weights_grad = op is aten._embedding_bag_per_sample_weights_backward.default
+    if not weights_grad and _node_arg(node, "sparse"):
+        return None
+    R, P, S0 = Replicate(), Partial(), Shard(0)
+    names = [a.name for a in schema(op).arguments if isinstance(_node_arg(node, a.name), fx.Node)]
+    vals = [a.meta["val"] for a in tensor_inputs(node)]
+    by_bag = bag_length(node) is not None
+    if op is aten._embedding_bag_backward.default and _node_arg(node, "scale_grad_by_freq"):
+        by_bag = False  # frequencies count the indices of every bag
+    by_row = _node_arg(node, "mode") != 2 and _node_arg(node, "padding_idx") in (None, -1)
+
+    def per_index(v: torch.Tensor) -> Placement:  # sum mode's offset2bag is empty: it stays whole
+        return S0 if v.numel() else R
+
+    split = tuple(R if n == "weight" else per_index(v) for n, v in zip(names, vals))
+    rows = []
+    if by_bag:
+        outs = tuple(per_index(v) for v in output_vals(node)) if forward else (S0,) if weights_grad else (P,)
+        rows.append((*outs, *split))
+    if by_row:
+        rows.append(
+            ((P, R, R, R) if forward else (P,) if weights_grad else (S0,))
+            + tuple(S0 if n == "weight" else R for n in names)
+        )
+    return rows
+
+
 def _check_rows(node: fx.Node) -> list[tuple]:
     """A runtime check a decomposition leaves (``_assert_async``, e.g. one_hot's range check on the
     class ids): it reads the whole value, so every rank checks it replicated."""
@@ -253,19 +385,48 @@ def _check_rows(node: fx.Node) -> list[tuple]:
 # Ops DTensor has no (usable) rule for, keyed by op, giving single-mesh-dim rows (out..., in...),
 # or None where DTensor's rule serves. DTensor's GPU attention rules cannot take the RNG and
 # integer values their backward reads; its grouped matmul rules never split the experts; it has
-# no rule for some elementwise ops routing uses (and its combine, ``index_add``), nor for tensors
-# made from nothing.
+# no rule for some elementwise ops routing uses (and its combine, ``index_add``), for MobileNet's
+# activations' gradients, ``fill`` with a tensor value, ``as_strided`` views, ``nn.EmbeddingBag``,
+# random draws, nor for tensors made from nothing. ``autoplan.lower.local_ops.LOCAL_CALLS`` runs
+# those whose arguments name global shapes or rows on the local shards (``empty``, ``bernoulli``,
+# ``as_strided``, the embedding bag ops).
 _OWN_RULES: dict[OpOverload, Callable[[fx.Node], list[tuple] | None]] = {
     **dict.fromkeys(attention.SDPA_OPS, _sdpa_rows),
     **dict.fromkeys(grouped_mm.GROUPED_MM, _grouped_mm_rows),
     aten.index_add.default: _index_add_rows,
     **dict.fromkeys((aten.floor_divide.default, aten.remainder.Tensor, aten.copy.default), _elementwise_rows),
+    aten.hardswish.default: _elementwise_rows,
+    aten.hardswish_backward.default: _elementwise_rows,
+    aten.hardsigmoid_backward.default: _elementwise_rows,
+    aten.fill.Tensor: _elementwise_rows,  # its value a 0-d tensor, whole on every rank
+    aten.as_strided.default: _as_strided_rows,
+    aten.as_strided_scatter.default: _as_strided_rows,
+    aten._embedding_bag.default: _embedding_bag_rows,
+    aten._embedding_bag_backward.default: _embedding_bag_rows,
+    aten._embedding_bag_per_sample_weights_backward.default: _embedding_bag_rows,
+    aten.bernoulli.p: _random_rows,
     **dict.fromkeys(
         (aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default)
         + (aten.full.default, aten.scalar_tensor.default, aten.lift_fresh_copy.default),
         _factory_rows,
     ),
+    aten.empty.memory_format: _empty_rows,
     **dict.fromkeys(RUNTIME_CHECKS, _check_rows),
+}
+
+
+# what a rule of ours reads beyond the op's signature: where the base of a view starts in its
+# storage, whether the bags' offsets are an even ``arange`` (their producer, not their shape)
+_KEY_FACTS: dict[OpOverload, Callable[[fx.Node], object]] = {
+    **dict.fromkeys((aten.as_strided.default, aten.as_strided_scatter.default), as_strided_offset),
+    **dict.fromkeys(
+        (
+            aten._embedding_bag.default,
+            aten._embedding_bag_backward.default,
+            aten._embedding_bag_per_sample_weights_backward.default,
+        ),
+        bag_length,
+    ),
 }
 
 
@@ -294,6 +455,7 @@ def _op_key(node: fx.Node, choices: dict[fx.Node, list[Placements]]) -> tuple | 
         *op_signature(node),
         tuple(tuple(choices[a]) for a in inputs),
         tuple(inputs.index(a) for a in inputs),  # which inputs are one node: ``_full_rule`` asks differently
+        _KEY_FACTS[node.target](node) if node.target in _KEY_FACTS else None,
     )
     try:
         hash(key)
@@ -363,8 +525,17 @@ def _producible(
     replicated (gathered) variant already covers.
     """
     inputs = tensor_inputs(node)
-    offered = [set(choices[a]) | {(Replicate(),) * len(mesh_shape)} for a in inputs]
-    return [s for s in cands if all(p in ok for p, ok in zip(s.inputs, offered))]
+    rep = (Replicate(),) * len(mesh_shape)
+    offered = [set(choices[a]) | {rep} for a in inputs]
+    # a value only ever held whole (a constant, a zero state built in ``forward``) is read as any
+    # shard by a local slice: without this, an RNN's first step, fed a replicated zero state,
+    # could split nothing, and so neither could any step after it
+    whole = [choices[a] == [rep] for a in inputs]
+
+    def ok(p: Placements, offers: set, held_whole: bool) -> bool:
+        return p in offers or (held_whole and not any(isinstance(x, Partial) for x in p))
+
+    return [s for s in cands if all(ok(p, o, w) for p, o, w in zip(s.inputs, offered, whole))]
 
 
 def _replicate_only(node: fx.Node, mesh_ndim: int) -> list[Strategy]:

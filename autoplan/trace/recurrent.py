@@ -35,42 +35,43 @@ def _lstm_step(gates: torch.Tensor, c: torch.Tensor, w_hr: torch.Tensor | None):
 
 
 def _direction(kind: str, x: torch.Tensor, h, c, weights: list[torch.Tensor], has_biases: bool, reverse: bool):
-    """One layer in one direction over ``x`` (time, batch, features): the outputs per step (time
-    major) and the last hidden (and cell) state."""
+    """One layer in one direction over ``x`` (batch, time, features): the outputs (batch, time,
+    hidden) and the last hidden (and cell) state. Batch first, so the projection's matmul flattens
+    (batch, time) with the batch outermost, a dim a batch split keeps."""
     w_ih, w_hh = weights[0], weights[1]
     b_ih, b_hh = (weights[2], weights[3]) if has_biases else (None, None)
     w_hr = weights[4 if has_biases else 2] if len(weights) > (4 if has_biases else 2) else None
     projected = x @ w_ih.t()  # every step's input in one matmul, as cuDNN does
     if b_ih is not None:
         projected = projected + b_ih
-    steps = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
+    steps = range(x.shape[1] - 1, -1, -1) if reverse else range(x.shape[1])
     outs = []
     for t in steps:
         recurrent = h @ w_hh.t()
         if b_hh is not None:
             recurrent = recurrent + b_hh
         if kind == "lstm":
-            h, c = _lstm_step(projected[t] + recurrent, c, w_hr)
+            h, c = _lstm_step(projected[:, t] + recurrent, c, w_hr)
         elif kind == "gru":
-            ir, iz, in_ = projected[t].chunk(3, dim=-1)
+            ir, iz, in_ = projected[:, t].chunk(3, dim=-1)
             hr, hz, hn = recurrent.chunk(3, dim=-1)
             r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
             n = torch.tanh(in_ + r * hn)
             h = n + z * (h - n)
         else:
-            pre = projected[t] + recurrent
+            pre = projected[:, t] + recurrent
             h = torch.tanh(pre) if kind == "rnn_tanh" else torch.relu(pre)
         outs.append(h)
     if reverse:
         outs.reverse()
-    return torch.stack(outs), h, c
+    return torch.stack(outs, dim=1), h, c
 
 
 def _run(kind, x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     h0, c0 = (hx[0], hx[1]) if kind == "lstm" else (hx, None)
     directions = 2 if bidirectional else 1
     per = len(params) // (num_layers * directions)
-    if batch_first:
+    if not batch_first:
         x = x.transpose(0, 1)
     last_h, last_c = [], []
     for layer in range(num_layers):
@@ -85,7 +86,7 @@ def _run(kind, x, hx, params, has_biases, num_layers, dropout, train, bidirectio
             last_h.append(h)
             last_c.append(c)
         x = outs[0] if directions == 1 else torch.cat(outs, dim=-1)
-    out = x.transpose(0, 1) if batch_first else x
+    out = x if batch_first else x.transpose(0, 1)
     if kind == "lstm":
         return out, torch.stack(last_h), torch.stack(last_c)
     return out, torch.stack(last_h)
