@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 R, S0 = Replicate(), Shard(0)
 LR = 0.1
+STEPS_SEED = 2
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def reference(case: Case) -> Outcome:
         model = case.build()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
+    torch.manual_seed(STEPS_SEED)  # random ops in the steps (dropout, stochastic depth) draw alike
     for step in _steps(case):
         total = 0.0
         for inputs, target in step:
@@ -118,6 +120,7 @@ def parallel(rank: int, case: Case, shape: tuple[int, ...]) -> dict:
     pmod.load_state_dict(initial)
     opt = torch.optim.SGD(pmod.parameters(), lr=LR)
     losses, grads = [], []
+    torch.manual_seed(STEPS_SEED)
     for step in steps:
         total = 0.0
         for inputs, target in step:
@@ -142,14 +145,15 @@ def parallel(rank: int, case: Case, shape: tuple[int, ...]) -> dict:
     }
 
 
-_COMPUTE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.convolution.default}
+aten = torch.ops.aten
+_ACTIVATION_ARG = {aten.mm.default: 0, aten.addmm.default: 1, aten.convolution.default: 0}  # addmm: bias first
 
 
 def batch_split_share(plan, gm) -> float:
-    """The share of the forward's matmuls and convolutions that read their first input split on
-    its dim 0 (the batch, or the flattened batch and sequence) over some mesh dim."""
-    nodes = [n for n in gm.graph.nodes if n.target in _COMPUTE and n.meta.get("autoplan_phase") == "forward"]
-    split = [n for n in nodes if Shard(0) in plan.nodes[n.name].inputs[0]]
+    """The share of the forward's matmuls and convolutions that read their activation split on its
+    dim 0 (the batch, or the flattened batch and sequence) over some mesh dim."""
+    nodes = [n for n in gm.graph.nodes if n.target in _ACTIVATION_ARG and n.meta.get("autoplan_phase") == "forward"]
+    split = [n for n in nodes if Shard(0) in plan.nodes[n.name].inputs[_ACTIVATION_ARG[n.target]]]
     return len(split) / max(len(nodes), 1)
 
 

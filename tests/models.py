@@ -405,3 +405,89 @@ class LSTMLanguageModel(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.lstm(self.embed(ids))[0])
+
+
+class TorchTransformerSeq2Seq(nn.Module):
+    """A sequence-to-sequence model around torch's own ``nn.Transformer``: embeddings, one encoder
+    and one decoder layer, an output head. ``forward`` builds the float causal ``tgt_mask`` from
+    factory ops (``torch.triu(torch.full(...))``, or ``nn.Transformer.generate_square_subsequent_mask``
+    with ``square_mask=True``), which ``nn.Transformer`` reads to detect that it is causal, and takes
+    a boolean ``src_key_padding_mask`` (True where a source position is padding) as an input. With
+    ``window``, each target position also sees only the ``window`` positions up to it: the mask is
+    not causal, so ``nn.Transformer`` attends with it rather than with the causal kernel."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, square_mask: bool = False, window: int | None = None):
+        super().__init__()
+        self.square_mask, self.window = square_mask, window
+        self.src_embed = nn.Embedding(vocab, dim)
+        self.tgt_embed = nn.Embedding(vocab, dim)
+        self.transformer = nn.Transformer(
+            d_model=dim,
+            nhead=4,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=64,
+            dropout=0.0,
+            batch_first=True,
+        )
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_key_padding_mask: torch.Tensor) -> torch.Tensor:
+        s = tgt.shape[1]
+        if self.square_mask:
+            tgt_mask = nn.Transformer.generate_square_subsequent_mask(s)
+        else:
+            tgt_mask = torch.triu(torch.full((s, s), float("-inf")), 1)
+        if self.window is not None:
+            tgt_mask = tgt_mask + torch.tril(torch.full((s, s), float("-inf")), -self.window)
+        hidden = self.transformer(
+            self.src_embed(src), self.tgt_embed(tgt), tgt_mask=tgt_mask, src_key_padding_mask=src_key_padding_mask
+        )
+        return self.head(hidden)
+
+
+class StochasticDepthNet(nn.Module):
+    """Convolutional residual blocks whose branch each sample keeps with probability ``keep``, as
+    torchvision's ``StochasticDepth(mode="row")`` does it: a [B, 1, 1, 1] mask drawn with
+    ``bernoulli_`` and scaled by 1/keep in training, nothing dropped in eval. GELU keeps fp32
+    comparisons free of ReLU's kink."""
+
+    def __init__(self, channels: int = 16, blocks: int = 2, keep: float = 0.7, classes: int = 10):
+        super().__init__()
+        self.keep = keep
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.branches = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv2d(channels, channels, 3, padding=1), nn.GELU(), nn.Conv2d(channels, channels, 1, bias=False)
+            )
+            for _ in range(blocks)
+        )
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for branch in self.branches:
+            y = branch(x)
+            if self.training:
+                mask = torch.empty([x.shape[0], 1, 1, 1], dtype=x.dtype, device=x.device).bernoulli_(self.keep)
+                y = y * mask.div_(self.keep)
+            x = x + y
+        return self.head(x.mean((2, 3)))
+
+
+class BagRecommender(nn.Module):
+    """A DLRM-style recommender: two sparse features pooled by ``nn.EmbeddingBag`` (a sum over a
+    user's items, a mean over an item's tags), a dense feature projected to the same width, their
+    pairwise dot products beside the dense projection, and an MLP scoring the sample."""
+
+    def __init__(self, items: int = 200, tags: int = 50, dense: int = 8, dim: int = 16):
+        super().__init__()
+        self.items = nn.EmbeddingBag(items, dim, mode="sum")
+        self.tags = nn.EmbeddingBag(tags, dim, mode="mean")
+        self.dense = nn.Linear(dense, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim + 3, 32), nn.GELU(), nn.Linear(32, 1))
+
+    def forward(self, item_ids: torch.Tensor, tag_ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        a, b, d = self.items(item_ids), self.tags(tag_ids), self.dense(dense)
+        dots = torch.stack([(a * b).sum(-1), (a * d).sum(-1), (b * d).sum(-1)], dim=-1)
+        return self.mlp(torch.cat([d, dots], dim=-1))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gloo import run_gloo
 from gloo_training import Case, compare, parallel
-from models import LSTMLanguageModel, ResNet, ResNet18
+from models import BagRecommender, LSTMLanguageModel, ResNet, ResNet18, StochasticDepthNet
 
 
 def _images(batch: int, size: int, classes: int, dtype=torch.float32):
@@ -25,6 +25,21 @@ def _images(batch: int, size: int, classes: int, dtype=torch.float32):
             return (torch.randn(batch, 3, size, size, generator=g, dtype=dtype),), torch.randn(
                 batch, classes, generator=g, dtype=dtype
             )
+
+        return [[one()], [one(), one()]]
+
+    return batches
+
+
+def _bags(batch: int, length: int):
+    def batches(g: torch.Generator) -> list:
+        def one():
+            inputs = (
+                torch.randint(0, 200, (batch, length), generator=g),
+                torch.randint(0, 50, (batch, length), generator=g),
+                torch.randn(batch, 8, generator=g),
+            )
+            return inputs, torch.randn(batch, 1, generator=g)
 
         return [[one()], [one(), one()]]
 
@@ -52,6 +67,9 @@ CASES = {
         ResNet18, _images(64, 32, 10, torch.float64), dtype=torch.float64, param_fraction=1 / 4
     ),
     # a batch large enough that running the recurrence split beats running it whole
+    # each sample's branch kept at random: the plan draws one device's mask and splits the batch
+    "stochastic_depth": lambda: Case(StochasticDepthNet, _images(32, 16, 10)),
+    "recommender": lambda: Case(BagRecommender, _bags(256, 8)),
     "lstm": lambda: Case(lambda: LSTMLanguageModel(dim=128), _tokens(64, 16, 96)),
 }
 
@@ -84,3 +102,11 @@ def test_resnet18_float64_is_exact_on_gloo():
     names = ["resnet18_fp64"]
     (r,) = _check(run_gloo(_worker, 4, names), names)
     assert r["worst_grad"] < 1e-10
+
+
+def test_stochastic_depth_and_embedding_bags_train_as_one_device_on_gloo():
+    names = ["stochastic_depth", "recommender"]
+    depth, bags = _check(run_gloo(_worker, 4, names), names)
+    for r in (depth, bags):
+        assert "ops with no sharding rule (run replicated): none" in r["summary"], r["summary"]
+    assert depth["batch_split"] > 0.8 and bags["batch_split"] == 1, (depth["batch_split"], bags["batch_split"])
