@@ -23,6 +23,20 @@ _OP_HINTS = {
     "aten.embedding.default": "an embedding reads integer indices: does input_fn return token ids as"
     " torch.long (torch.randint), not floats?",
 }
+# torch functions that read a value to choose a path, and how to tell them the answer instead
+_READER_HINTS = {
+    "_detect_is_causal_mask": "nn.Transformer compares an attention mask given as an input with a causal one:"
+    " pass tgt_is_causal= (is_causal= to an encoder) True or False to say whether it is, or build the mask"
+    " in forward from factory ops (torch.triu(torch.full(...))), whose values tracing knows",
+}
+
+
+def _reader_hint(tb) -> str | None:
+    """The way out for a read made by a torch function listed in ``_READER_HINTS``, innermost first."""
+    for frame in reversed(traceback.extract_tb(tb)):
+        if frame.name in _READER_HINTS and frame.filename.startswith(_LIBRARY_DIRS[0]):
+            return _READER_HINTS[frame.name]
+    return None
 
 
 def source_line(tb) -> str | None:
@@ -52,17 +66,28 @@ def _raised_in_torch(exc: BaseException) -> bool:
     return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS[0])
 
 
+def reads_data(err: TracingError) -> bool:
+    """Whether tracing stopped where the model read a tensor's value (or shaped one by its data)."""
+    return type(err.__cause__).__name__ in _DATA_DEPENDENT
+
+
 def _tracing_error(exc: BaseException, module_path: str) -> TracingError:
     """Name the op, the module and the model's source line of an error torch raised while tracing."""
     op, source = failing_op(exc), source_line(exc.__traceback__)
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if type(exc).__name__ in _DATA_DEPENDENT:
         first = "its result's shape or a Python value read from it depends on tensor data"
+        # a value read from the inputs or parameters (values built from constants alone are known:
+        # ``autoplan.trace.constants``, which sets ``autoplan_hint`` where one was too large to keep)
         way_out = (
-            "a plan is made for one static graph (.item(), nonzero, boolean indexing and data-dependent routing"
-            " are not): compute it with static shapes (a Hugging Face MoE: its default experts kernel,"
-            " experts_implementation='grouped_mm'), outside the model and pass it in as an input, or in an"
-            " autoplan.local_map(..., traced=False) region, which runs it as written on each rank"
+            getattr(exc, "autoplan_hint", None)
+            or _reader_hint(exc.__traceback__)
+            or (
+                "a plan is made for one static graph (.item(), nonzero, boolean indexing and data-dependent routing"
+                " are not): compute it with static shapes (a Hugging Face MoE: its default experts kernel,"
+                " experts_implementation='grouped_mm'), outside the model and pass it in as an input, or in an"
+                " autoplan.local_map(..., traced=False) region, which runs it as written on each rank"
+            )
         )
     else:
         way_out = _OP_HINTS.get(op or "", "the op's checks failed on fake tensors, as they would on the target device")

@@ -28,13 +28,15 @@ from autoplan.adapters.functorch import InputLabel, OutputLabel, export_joint
 from autoplan.adapters.fx import lazy_graph_modules
 from autoplan.adapters.ops import OpOverload, schema
 from autoplan.adapters.pytree import tree_flatten, tree_map_only, tree_unflatten
+from autoplan.errors import TracingError
 from autoplan.progress import ticker
 from autoplan.trace import attention as attn
 from autoplan.trace import precision, regions, stamping
+from autoplan.trace.constants import KnownValues
 from autoplan.trace.functions import TracedFunctions, current_module_path
 from autoplan.trace.inputs import InputSpec, OutputSpec, split_call
 from autoplan.trace.stamping import PATH_KEY  # the stage that stamps layers reads the paths tracing writes
-from autoplan.trace.trace_errors import named_failures
+from autoplan.trace.trace_errors import named_failures, reads_data
 
 aten = torch.ops.aten
 # runtime checks a decomposition leaves in the graph (one_hot's range check, once functionalized):
@@ -129,9 +131,11 @@ class _LossWrapper(nn.Module):
         loss_fn: Callable | None,
         inputs: InputSpec | None = None,
         policy: precision.MixedPrecisionPolicy | None = None,
+        known_values: bool = False,
     ):
         super().__init__()
         self.model = model
+        self.known_values = known_values  # trace under ``autoplan.trace.constants.KnownValues``
         self.loss_fn = loss_fn
         self.inputs = inputs  # the traced call: where the tensors go, and the constants between them
         self.policy = policy  # mixed precision: the casts a forward makes (``autoplan.trace.precision``)
@@ -553,13 +557,16 @@ def _stamped(traced: dict, stack: stamping.Stack, expected: tuple[list, list], i
 
 
 def _enter_tracing(stack: contextlib.ExitStack, wrapper: nn.Module, attention: str, desc: str) -> None:
-    """What every trace of ``wrapper`` runs under: progress, module paths, the attention kernels and
-    named errors (entered last, so a failure still sees the module it happened in)."""
+    """What every trace of ``wrapper`` runs under: progress, module paths, the attention kernels, the
+    values of tensors built from constants where the model reads them (``autoplan.trace.constants``)
+    and named errors (entered last, so a failure still sees the module it happened in)."""
     tick = stack.enter_context(ticker(desc, "module calls"))
     stack.enter_context(fx_traceback.preserve_node_meta())
     stack.enter_context(_record_module_paths(wrapper, tick))
     stack.enter_context(precision.casting(wrapper, wrapper.policy, "model"))  # after the paths: casts carry them
     stack.enter_context(TracedFunctions(attention))
+    if wrapper.known_values:  # the values of the tensors built from constants, which the model reads
+        stack.enter_context(KnownValues())
     stack.enter_context(named_failures(current_module_path))
 
 
@@ -584,14 +591,30 @@ def trace_joint(
     stack of layers proven identical is traced as two layers and copied (``autoplan.trace.stamping``),
     on either path. ``mp_policy`` traces mixed precision (``autoplan.trace.precision``): each module's
     casts of its parameters, and which gradients must be cast before they are reduced.
+
+    A model that reads a value (``.item()``, ``torch.equal``, a branch on a tensor) is traced again
+    with the values of the tensors built from constants alone known (``autoplan.trace.constants``,
+    e.g. ``nn.Transformer`` checking whether its mask is causal); keeping them costs every op one
+    more dispatch, so only such models pay it.
     """
+    args = (model, input_fn, loss_fn, device, attention, repeats, mp_policy)
+    try:
+        return _trace_joint(*args, known_values=False)
+    except TracingError as e:
+        if not reads_data(e):
+            raise
+    return _trace_joint(*args, known_values=True)
+
+
+def _trace_joint(model, input_fn, loss_fn, device, attention, repeats, mp_policy, known_values: bool) -> TracedGraph:
     attn.check_option(attention)
     device = torch.device(device)
     if attention == "cpu" and device.type != "cpu":
         raise ValueError(f"attention='cpu' traces the host's CPU kernel and needs a CPU mesh, not {device.type!r}")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     inputs, args = make_fake_inputs(input_fn, fake_mode, device, model.forward)
-    wrapper = _LossWrapper(_fake_skeleton(model, fake_mode, device), loss_fn, inputs, precision.check_policy(mp_policy))
+    skeleton = _fake_skeleton(model, fake_mode, device)
+    wrapper = _LossWrapper(skeleton, loss_fn, inputs, precision.check_policy(mp_policy), known_values)
     joint, shared, written = None, _shared_names(wrapper), {}
     stack = stamping.find_stack(wrapper, _PREFIX) if repeats else None
     with contextlib.ExitStack() as es:
