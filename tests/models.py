@@ -414,9 +414,13 @@ class TorchTransformerSeq2Seq(nn.Module):
     with ``square_mask=True``), which ``nn.Transformer`` reads to detect that it is causal, and takes
     a boolean ``src_key_padding_mask`` (True where a source position is padding) as an input. With
     ``window``, each target position also sees only the ``window`` positions up to it: the mask is
-    not causal, so ``nn.Transformer`` attends with it rather than with the causal kernel."""
+    not causal, so ``nn.Transformer`` attends with it rather than with the causal kernel. ``activation``
+    is the feed-forward's (``nn.Transformer``'s default ReLU, or GELU for fp32 comparisons free of its
+    kink)."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, square_mask: bool = False, window: int | None = None):
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, square_mask: bool = False, window: int | None = None, activation="relu"
+    ):
         super().__init__()
         self.square_mask, self.window = square_mask, window
         self.src_embed = nn.Embedding(vocab, dim)
@@ -428,6 +432,7 @@ class TorchTransformerSeq2Seq(nn.Module):
             num_decoder_layers=1,
             dim_feedforward=64,
             dropout=0.0,
+            activation=activation,
             batch_first=True,
         )
         self.head = nn.Linear(dim, vocab)

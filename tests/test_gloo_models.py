@@ -16,7 +16,7 @@ import pytest
 import torch
 from gloo import run_gloo
 from gloo_training import Case, compare, parallel
-from models import BagRecommender, LSTMLanguageModel, ResNet, ResNet18, StochasticDepthNet
+from models import BagRecommender, LSTMLanguageModel, ResNet, ResNet18, StochasticDepthNet, TorchTransformerSeq2Seq
 
 
 def _images(batch: int, size: int, classes: int, dtype=torch.float32):
@@ -40,6 +40,19 @@ def _bags(batch: int, length: int):
                 torch.randn(batch, 8, generator=g),
             )
             return inputs, torch.randn(batch, 1, generator=g)
+
+        return [[one()], [one(), one()]]
+
+    return batches
+
+
+def _seq2seq(batch: int, seq: int, vocab: int = 64):
+    def batches(g: torch.Generator) -> list:
+        def one():
+            src, tgt = (torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(2))
+            lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g)
+            padding = torch.arange(seq)[None, :] >= lengths[:, None]  # True where a source position is padding
+            return (src, tgt, padding), torch.randn(batch, seq, vocab, generator=g)
 
         return [[one()], [one(), one()]]
 
@@ -70,6 +83,8 @@ CASES = {
     # each sample's branch kept at random: the plan draws one device's mask and splits the batch
     "stochastic_depth": lambda: Case(StochasticDepthNet, _images(32, 16, 10)),
     "recommender": lambda: Case(BagRecommender, _bags(256, 8)),
+    # torch's nn.Transformer, its causal target mask built in forward, the source's padding an input
+    "transformer": lambda: Case(lambda: TorchTransformerSeq2Seq(activation="gelu"), _seq2seq(64, 16)),
     "lstm": lambda: Case(lambda: LSTMLanguageModel(dim=128), _tokens(64, 16, 96)),
 }
 
@@ -88,10 +103,11 @@ def _check(results: list, names: list) -> list:
     return checked
 
 
-def test_resnet_and_lstm_train_as_one_device_on_gloo():
-    """A ResNet with BatchNorm in training mode and an LSTM language model, batch split."""
-    names = ["resnet", "lstm"]
-    resnet, lstm = _check(run_gloo(_worker, 4, names), names)
+def test_resnet_lstm_and_transformer_train_as_one_device_on_gloo():
+    """A ResNet with BatchNorm in training mode, an LSTM language model and ``nn.Transformer`` with a
+    causal and a padding mask, batch split."""
+    names = ["resnet", "lstm", "transformer"]
+    resnet, lstm, _ = _check(run_gloo(_worker, 4, names), names)
     assert resnet["collectives"].get("all_reduce", 0) > 0  # the BatchNorm statistics, over the split batch
     assert "mkldnn_rnn_layer" not in lstm["summary"]
     assert resnet["batch_split"] > 0.9 and lstm["batch_split"] > 0.9, (resnet["batch_split"], lstm["batch_split"])
