@@ -141,19 +141,18 @@ def parallel(rank: int, case: Case, shape: tuple[int, ...]) -> dict:
         "outcome": _to_bytes(Outcome(losses, grads, final)),
         "summary": plan.summary(),
         "collectives": ap.lowered.collective_counts(),
-        "batch_split": batch_split_share(plan, ap.traced.gm),
+        "batch_split": batch_split_share(plan),
     }
 
 
-aten = torch.ops.aten
-_ACTIVATION_ARG = {aten.mm.default: 0, aten.addmm.default: 1, aten.convolution.default: 0}  # addmm: bias first
+_ACTIVATION_ARG = {"aten.mm.default": 0, "aten.addmm.default": 1, "aten.convolution.default": 0}  # addmm: bias first
 
 
-def batch_split_share(plan, gm) -> float:
+def batch_split_share(plan) -> float:
     """The share of the forward's matmuls and convolutions that read their activation split on its
     dim 0 (the batch, or the flattened batch and sequence) over some mesh dim."""
-    nodes = [n for n in gm.graph.nodes if n.target in _ACTIVATION_ARG and n.meta.get("autoplan_phase") == "forward"]
-    split = [n for n in nodes if Shard(0) in plan.nodes[n.name].inputs[_ACTIVATION_ARG[n.target]]]
+    nodes = [n for n in plan.nodes.values() if n.op in _ACTIVATION_ARG and n.phase == "forward"]
+    split = [n for n in nodes if Shard(0) in n.inputs[_ACTIVATION_ARG[n.op]]]
     return len(split) / max(len(nodes), 1)
 
 

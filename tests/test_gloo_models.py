@@ -107,10 +107,11 @@ def test_resnet_lstm_and_transformer_train_as_one_device_on_gloo():
     """A ResNet with BatchNorm in training mode, an LSTM language model and ``nn.Transformer`` with a
     causal and a padding mask, batch split."""
     names = ["resnet", "lstm", "transformer"]
-    resnet, lstm, _ = _check(run_gloo(_worker, 4, names), names)
+    resnet, lstm, transformer = _check(run_gloo(_worker, 4, names), names)
     assert resnet["collectives"].get("all_reduce", 0) > 0  # the BatchNorm statistics, over the split batch
     assert "mkldnn_rnn_layer" not in lstm["summary"]
-    assert resnet["batch_split"] > 0.9 and lstm["batch_split"] > 0.9, (resnet["batch_split"], lstm["batch_split"])
+    split = [r["batch_split"] for r in (resnet, lstm, transformer)]
+    assert all(s > 0.9 for s in split), split
 
 
 @pytest.mark.slow  # ResNet-18 at batch 64 in float64 on 4 processes: about a minute

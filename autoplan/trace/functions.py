@@ -1,7 +1,8 @@
 """The torch functions tracing runs as the kernels a GPU runs: ``F.scaled_dot_product_attention``
 as one aten attention kernel of the chosen backend, ``F.batch_norm`` with reductions the planner
-can split, ``torch._grouped_mm`` in any floating dtype, recurrent layers unrolled over time and
-``F.dropout`` as the fused kernel; and the module path of the op being traced, which errors name."""
+can split, ``torch._grouped_mm`` in any floating dtype, recurrent layers unrolled over time,
+``nn.MultiheadAttention`` batch first and ``F.dropout`` as the fused kernel; and the module path of
+the op being traced, which errors name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from autoplan.trace import attention as attn
-from autoplan.trace import grouped_mm, recurrent
+from autoplan.trace import grouped_mm, multihead, recurrent
 from autoplan.trace.batch_norm import batch_norm
 
 aten = torch.ops.aten
@@ -92,7 +93,8 @@ class TracedFunctions(TorchFunctionMode):
     host's own dispatch for ``"cpu"``), ``F.batch_norm`` computes its statistics with reductions
     the planner can split (``autoplan.trace.batch_norm``), ``torch._grouped_mm`` runs in any
     floating dtype (``autoplan.trace.grouped_mm``), recurrent layers are unrolled over time
-    (``autoplan.trace.recurrent``) and ``F.dropout`` is the one fused kernel a GPU
+    (``autoplan.trace.recurrent``), ``nn.MultiheadAttention`` runs batch first through that
+    attention kernel (``autoplan.trace.multihead``) and ``F.dropout`` is the one fused kernel a GPU
     runs (``aten.native_dropout``): the CPU's way, a fresh mask filled in place, would send every
     model training with dropout through the slower functionalizing trace, where Hugging Face's
     checks for tracing no longer see fake tensors and read mask values."""
@@ -113,7 +115,18 @@ class TracedFunctions(TorchFunctionMode):
             return fused_dropout(*args, **kwargs)
         if func in recurrent.FUNCTIONS:
             return recurrent.FUNCTIONS[func](*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            out = multihead.multi_head_attention_forward(self._attention, *args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+    def _attention(self, *args, **kwargs) -> torch.Tensor:
+        """``F.scaled_dot_product_attention`` as this mode traces it, for the functions it writes out
+        (its own calls are not seen by the mode)."""
+        if self.option == "cpu":
+            return F.scaled_dot_product_attention(*args, **kwargs)
+        return sdpa_kernel_call(self.option, *args, **kwargs)
 
 
 def fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
