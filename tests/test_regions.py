@@ -113,3 +113,59 @@ def test_data_dependent_op_outside_regions_points_at_local_map():
 
     with pytest.raises(TracingError, match=r"aten\.nonzero.*\n.*\n.*local_map\(\.\.\., traced=False\)"):
         AutoParallel(Nonzero(), fake_mesh((8,)), input_fn=lambda: torch.randn(8, 32)).__enter__()
+
+
+def _untraced_rows(fn):
+    """An untraced region applying ``fn`` to each rank's rows: every model built with it has a region
+    of the same name (``_untraced_rows.<locals>.body``), which each trace numbers from 0 alike."""
+
+    @local_map(out_placements=ROWS, in_placements=(ROWS,), traced=False)
+    def body(h):
+        return fn(h)
+
+    return body
+
+
+class _RegionBetweenLinears(torch.nn.Module):
+    def __init__(self, dim: int, fn):
+        super().__init__()
+        self.fc1, self.fc2, self.fn = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim), fn
+
+    def forward(self, x):
+        return self.fc2(_untraced_rows(self.fn)(self.fc1(x)))
+
+
+def test_two_plans_with_untraced_regions_of_one_name_each_run_their_own():
+    """Two models whose untraced regions have one name (tanh on 32 features, a square on 16), planned
+    and applied in one process, the second after the first: the first's module, run after the second
+    was traced, still computes its own function (and its own shapes) forward and backward, as one device does."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    models = {"tanh": (32, torch.tanh), "square": (16, torch.square)}
+    built, pmods = {}, {}
+    for name, (dim, fn) in models.items():
+        torch.manual_seed(0)
+        built[name] = _RegionBetweenLinears(dim, fn)
+        with torch.device("meta"):
+            model = _RegionBetweenLinears(dim, fn)
+        with AutoParallel(model, mesh, input_fn=lambda dim=dim: torch.randn(8, dim)) as ap:
+            ap.add_input_constraints([ROWS])
+            ap.add_output_constraints([ROWS])
+            pmods[name] = ap.apply_placement(ap.optimize_placement())
+    for name in ("tanh", "square"):  # the first one first: the second's trace came after it
+        dim, _ = models[name]
+        x = torch.randn(8, dim, generator=torch.Generator().manual_seed(1))
+        pmod = pmods[name]
+        with LocalTensorMode(8):
+            pmod.to_empty(device="cpu")
+            pmod.load_state_dict(built[name].state_dict())
+            out = pmod(distribute_tensor(x, mesh, ROWS).to_local())
+            placed = DTensor.from_local(out, mesh, ROWS, run_check=False)
+            got = one_value(placed)
+            placed.square().mean().backward()
+            grads = [one_value(pmod.get_parameter(f"{fc}.weight").grad) for fc in ("fc1", "fc2")]
+        expected = built[name](x)
+        expected.square().mean().backward()
+        torch.testing.assert_close(got, expected.detach(), msg=name)
+        torch.testing.assert_close(grads, [built[name].fc1.weight.grad, built[name].fc2.weight.grad], msg=name)

@@ -50,14 +50,17 @@ from autoplan.trace.trace_errors import failing_op, source_line
 REGION_KEY = "autoplan_region"  # in a node's meta["custom"]: the local_map region it belongs to
 # the mesh shape of the trace under way (``tracing_on``), None outside autoplan's tracing
 _MESH: ContextVar[tuple[int, ...] | None] = ContextVar("autoplan_region_mesh", default=None)
-_CALLS: ContextVar[itertools.count | None] = ContextVar("autoplan_region_calls", default=None)
+# the trace under way: its number in this process and its untraced regions' count so far
+_CALLS: ContextVar[tuple[int, itertools.count] | None] = ContextVar("autoplan_region_calls", default=None)
+_TRACES = itertools.count()  # every trace of this process gets its own number (``tracing_on``)
 
 
 @contextlib.contextmanager
 def tracing_on(mesh_shape: Sequence[int]):
     """Within it, ``local_map`` regions are traced as regions for a mesh of ``mesh_shape``; untraced
-    regions are numbered in call order from 0, so every trace of one model names them alike."""
-    token, calls = _MESH.set(tuple(mesh_shape)), _CALLS.set(itertools.count())
+    regions are numbered in call order from 0 within the trace, and each trace has its own number
+    (``_BODIES``' keys hold both), so no trace's region replaces another trace's."""
+    token, calls = _MESH.set(tuple(mesh_shape)), _CALLS.set((next(_TRACES), itertools.count()))
     try:
         yield
     finally:
@@ -174,7 +177,11 @@ class _Body:
         return tree_flatten(self.func(*tree_unflatten(flat, self.spec), **self.kwargs))
 
 
-_BODIES: dict[str, _Body] = {}  # untraced regions by key: ``region#n``, the n-th of a trace
+# Untraced regions by key, ``region#t.n``: the n-th untraced region of trace t (``tracing_on``). A
+# trace's keys are its own, so two ``AutoParallel``s of models whose regions share a name (one
+# function called in both, a body defined alike) each run their own body, whatever was traced
+# since; a body stays as long as the process, as the graphs naming its key may.
+_BODIES: dict[str, _Body] = {}
 
 
 def flops_of_body(key: str) -> float:
@@ -252,7 +259,8 @@ def _run_untraced(func, region: str, local: list, spec, kwargs: dict, flops: flo
             module_path="",
             source=source,
         ) from e
-    key = f"{region}#{next(_CALLS.get())}"
+    trace, calls = _CALLS.get()
+    key = f"{region}#{trace}.{next(calls)}"
     _BODIES[key] = dataclasses_replace(body, outputs=metas)
     return tree_unflatten(untraced_region(tensors, key), out_spec)
 
