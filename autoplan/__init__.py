@@ -5,6 +5,7 @@ from autoplan.cost.devices import DEVICE_PROFILES, H100_SXM, DeviceProfile
 from autoplan.errors import (
     AutoplanError,
     ConstraintError,
+    InfeasiblePlanError,
     InputMismatchError,
     PlanMismatchError,
     SolverLimitError,
@@ -22,6 +23,7 @@ __all__ = [
     "AutoplanError",
     "ConstraintError",
     "DeviceProfile",
+    "InfeasiblePlanError",
     "InputMismatchError",
     "Plan",
     "PlanMismatchError",

@@ -10,7 +10,8 @@ import difflib
 import functools
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.shard.expert_rows import ExpertRows
 from autoplan.solve.reports import IlpReport, SolverReport
-from autoplan.styles import STYLES, expert_lines, module_styles
+from autoplan.styles import STYLES, conv_norms, expert_lines, module_styles
 
 Placements = tuple[Placement, ...]
 
@@ -214,6 +215,7 @@ class Plan:
             f" / bwd {self.cost.comm_backward * 1e3:.2f} of which {self.cost.hidden_comm * 1e3:.2f} under compute"
             f" and {self.cost.bucket_latency * 1e3:.2f} buckets' latency beyond their moves' shares,"
             f" recompute {self.cost.recompute * 1e3:.2f}); MFU {self.cost.mfu:.1%}",
+            *_replicated_lines(self.nodes, self.ilp),
             f"recompute: {_recompute_line(self.recompute, self.checkpointed)}",
             *([f"mixed precision: {_precision_line(self.precision)}"] if self.precision else []),
             f"memory per device: params {_gib(self.memory.param_bytes)}, grads {_gib(self.memory.grad_bytes)},"
@@ -241,6 +243,7 @@ class Plan:
         lines += [
             "",
             "collectives: " + ", ".join(f"{k} {v}" for k, v in self.collective_counts().items()),
+            f"ops with no sharding rule (run replicated): {_no_rule_line(self.nodes)}",
             f"ILP: {self.ilp.get('n_vars')} variables, {self.ilp.get('n_rows')} rows;"
             f" solver {self.solver.get('backend')} {self.solver.get('status')}, gap {self.solver.get('gap')}",
             *_refinement_lines(self.ilp.get("refinements", [])),
@@ -252,7 +255,8 @@ class Plan:
         """Per module, one entry per mesh dim: the plan in the words of a hand-written
         ``parallelize_module`` plan (``ColwiseParallel``, ``FSDP``, ...; ``autoplan.styles``), or the
         placements where no style does what the plan does. Repeated layers appear once, as
-        ``layers.*``; a copy that differs gets its own entry."""
+        ``layers.*``; a copy that differs gets its own entry. A convolution and the batch norm after
+        it are one entry, ``blocks.*.conv1+bn1`` (a cell ``conv / bn`` where they differ)."""
         return {module: labels for module, (labels, _) in self._style_rows().items()}
 
     def styles_by_module(self) -> dict[str, tuple[str, ...]]:
@@ -260,7 +264,7 @@ class Plan:
         return module_styles(self.nodes.values(), self.param_placements)
 
     def _style_rows(self) -> dict[str, tuple[tuple[str, ...], int]]:
-        return _fold(self.styles_by_module())
+        return _fold(_paired(self.styles_by_module(), conv_norms(self.nodes.values(), self.param_placements)))
 
     def param_table(self) -> list[tuple[str, str, int, int]]:
         """One row per layer pattern (``layers.*.attention.wq.weight``): placements, copies, and
@@ -437,6 +441,53 @@ _PASS_STAGES = (
 )
 
 
+# where replicated ops take at least this share of the forward compute time, the summary says what splitting costs
+REPLICATED_SHARE = 0.5
+
+
+def forward_compute(nodes: Iterable[NodePlan]) -> list[NodePlan]:
+    """The forward ops that compute: every op priced with compute time (matmuls, convolutions,
+    attention, pointwise ops, reductions, norms, copies), not views, aliases or tuple items, which
+    take none; nor a ``local_map`` region's ops, which run on each rank's shards whatever their
+    (replicated) strategy says."""
+    return [n for n in nodes if n.phase == "forward" and n.compute_s > 0 and n.rule != "local_map"]
+
+
+def replicated(outputs: tuple[Placements | None, ...], inputs: tuple[Placements | None, ...]) -> bool:
+    """Whether a strategy runs its op whole on every rank: each output ``Replicate`` on every mesh
+    dim, and no input split (``Shard``) on any."""
+    whole = all(o is None or all(isinstance(p, Replicate) for p in o) for o in outputs)
+    return whole and not any(isinstance(p, Shard) for i in inputs if i is not None for p in i)
+
+
+def replicated_compute(nodes: Iterable[NodePlan]) -> tuple[int, int, float]:
+    """Of the forward compute ops (``forward_compute``): how many run replicated (``replicated``),
+    how many there are, and the replicated ones' share of their compute seconds (0 where none)."""
+    compute = forward_compute(nodes)
+    whole = [c for c in compute if replicated(c.outputs, c.inputs)]
+    total = sum(c.compute_s for c in compute)
+    return len(whole), len(compute), sum(c.compute_s for c in whole) / total if total > 0 else 0.0
+
+
+def _replicated_lines(nodes: dict[str, NodePlan], ilp: IlpReport) -> list[str]:
+    """``compute replicated on all ranks: 26 of 26 forward ops, 100.0% of their time``; where that
+    share of the time is at least ``REPLICATED_SHARE`` and the planner priced a plan splitting them
+    (``IlpReport.split_objective``), a second line comparing the two."""
+    n, total, share = replicated_compute(nodes.values())
+    if not total:
+        return []
+    lines = [f"compute replicated on all ranks: {n} of {total} forward ops, {share:.1%} of their compute time"]
+    split, chosen = ilp.get("split_objective"), ilp.get("objective")
+    if share < REPLICATED_SHARE or split is None:
+        return lines
+    priced = f"{split * 1e3:.3f} ms per step against this plan's {chosen * 1e3:.3f} ms (the ILP's estimates)"
+    if split > chosen:
+        why = f"{priced}: its collectives cost more than splitting the compute saves"
+    else:
+        why = f"{priced}, no faster"
+    return [*lines, f"  why: the best plan splitting every forward op that can split takes {why}"]
+
+
 def _pass_lines(passes: dict[str, int]) -> list[str]:
     """``passes: round trips removed 32, ...`` then one line of collective counts per stage."""
     if not passes:
@@ -486,6 +537,15 @@ def _refinement_lines(refinements: list[dict]) -> list[str]:
     return ["boundary layers re-solved on their own: " + ", ".join(steps)]
 
 
+def _no_rule_line(nodes: dict[str, NodePlan]) -> str:
+    """How many nodes fell back to running replicated for want of a sharding rule, by op."""
+    ops = Counter(n.op for n in nodes.values() if n.rule == "fallback")
+    if not ops:
+        return "none"
+    n = sum(ops.values())
+    return f"{n} node{'s' * (n != 1)}: " + ", ".join(f"{op} ({k})" for op, k in ops.most_common())
+
+
 def _short_op(op: str) -> str:
     """``aten.mm.default`` -> ``mm``."""
     parts = op.split(".")
@@ -527,6 +587,23 @@ def _by_pattern(params: dict[str, Placements]) -> dict[str, tuple[str, int]]:
     return {key: (placements_str(pl), n) for key, (pl, n) in _fold(params).items()}
 
 
+def _paired(styles: dict[str, tuple[str, ...]], after: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """``styles`` with each convolution and the batch norm after it (``after``: norm -> convolution)
+    as one entry, ``conv+bn`` (the norm by its own name where the two are siblings: ``blocks.0.conv1+bn1``,
+    ``stem.0+1``); a cell reads ``conv / bn`` where their styles differ."""
+    follower = {conv: bn for bn, conv in after.items() if bn in styles and conv in styles}
+    out = {}
+    for module, labels in styles.items():
+        if module in follower:
+            bn = follower[module]
+            parent, _, name = bn.rpartition(".")
+            short = name if parent == module.rpartition(".")[0] else bn
+            out[f"{module}+{short}"] = tuple(c if c == b else f"{c} / {b}" for c, b in zip(labels, styles[bn]))
+        elif module not in follower.values():
+            out[module] = labels
+    return out
+
+
 def _style_lines(rows: dict[str, tuple[tuple[str, ...], int]], dims: tuple[str, ...]) -> list[str]:
     """The table of ``Plan.styles``: a module per row, a mesh dim per column, then its copies."""
     if not rows:
@@ -538,7 +615,7 @@ def _style_lines(rows: dict[str, tuple[tuple[str, ...], int]], dims: tuple[str, 
 
     lines = ["", line("module (torchtitan style)", dims, "copies")]
     lines += [line(module, labels, n) for module, (labels, n) in rows.items()]
-    if any(label not in STYLES for labels, _ in rows.values() for label in labels):
+    if any(part not in STYLES for labels, _ in rows.values() for label in labels for part in label.split(" / ")):
         lines.append("(other cells: w = the weight as stored->as its op reads it, x = that op's activations)")
     return lines
 

@@ -10,7 +10,13 @@ matmul whose tokens are split on that mesh dim, it is FSDP. A mixture of experts
 experts' weights ``[experts, in, out]`` are read by batched matmuls over per-expert buffers
 ``[experts, slots, features]`` or by grouped matmuls over tokens sorted by expert, is expert parallel
 where they are split over the experts (each rank runs its own experts on the tokens routed to
-them), and colwise or rowwise where each expert is split. Anything else is shown as placements.
+them), and colwise or rowwise where each expert is split. A convolution reads its weight ``[out, in,
+*kernel]`` as a linear does, over activations ``[batch, channels, ...]``: split as stored on its out
+channels it is the colwise analogue, ``ColwiseParallel (out channels)``, on its in channels the rowwise
+one, and gathered for a split batch FSDP. A module whose first forward op reads what a convolution
+just made (its batch norm) is read on that convolution's output: each rank normalising its own out
+channels with its weight split alike follows the convolution's split, and ``Plan.styles`` shows the
+pair on one row, ``conv1+bn1``. Anything else is shown as placements.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ COLWISE = "ColwiseParallel"
 ROWWISE = "RowwiseParallel"
 SEQUENCE = "SequenceParallel"
 EXPERT = "ExpertParallel"
+CONV_COLWISE = "ColwiseParallel (out channels)"  # a convolution's (and its batch norm's) out channels split
+CONV_ROWWISE = "RowwiseParallel (in channels)"
 FSDP = "FSDP"
 DDP = "DDP"
 REPLICATE = "Replicate"
-STYLES = (COLWISE, ROWWISE, SEQUENCE, EXPERT, FSDP, DDP, REPLICATE)
+STYLES = (COLWISE, ROWWISE, CONV_COLWISE, CONV_ROWWISE, SEQUENCE, EXPERT, FSDP, DDP, REPLICATE)
 
 _MATMULS = ("aten.mm.default", "aten.addmm.default")  # nn.Linear's forward: ``(addmm|mm)(..., x, t(w))``
 _EMBEDDING = "aten.embedding.default"  # ``embedding(w, indices)``
@@ -42,6 +50,7 @@ _BMM = "aten.bmm.default"  # experts: ``bmm(buffer [E, slots, in], w [E, in, out
 # experts: ``grouped_mm(tokens [routed, in], w [E, in, out], offsets)``
 _GROUPED = ("aten._grouped_mm.default", "autoplan.grouped_mm.default")
 _TRANSPOSE = "aten.t.default"
+_CONV = "aten.convolution.default"  # ``convolution(x [batch, in, ...], w [out, in, *kernel], bias, ...)``
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,10 @@ class WeightUse:
 
     ``op`` is ``"matmul"`` (activations [tokens, in features]), ``"embedding"`` (activations: the
     indices), ``"experts"`` (activations [experts, slots, in features]), ``"grouped"`` (experts
-    reading tokens sorted by expert, [routed tokens, in features]) or ``""`` for any other
-    module (a norm: the activations are what its ops output, laid out [batch, sequence, ...] as in a
+    reading tokens sorted by expert, [routed tokens, in features]), ``"conv"`` (activations [batch,
+    in channels, ...]), ``"channels"`` (a module after a convolution, its batch norm: the activations
+    are that convolution's output, [batch, out channels, ...]) or ``""`` for any other module (a
+    norm: the activations are what its ops output, laid out [batch, sequence, ...] as in a
     transformer, and the weight is read as they require)."""
 
     op: str
@@ -72,12 +83,22 @@ def style(use: WeightUse, mesh_dim: int) -> str:
         if isinstance(read, Shard) and read == stored:
             if use.op in ("experts", "grouped") and read.dim == 0:
                 return EXPERT
-            return COLWISE if read.dim == use.out_dim else ROWWISE
+            if use.op == "conv" and read.dim in (0, 1):  # its out or in channels, not a kernel dim
+                return CONV_COLWISE if read.dim == 0 else CONV_ROWWISE
+            if use.op != "conv":
+                return COLWISE if read.dim == use.out_dim else ROWWISE
         token_dim = 1 if use.op == "experts" else 0  # the slots of an expert's buffer are tokens
         tokens_split = isinstance(data, Shard) and (data.dim == token_dim or use.op == "embedding")
         if read == Replicate() and tokens_split:
             return FSDP if isinstance(stored, Shard) else DDP
         if read == stored == data == Replicate():
+            return REPLICATE
+    elif use.op == "channels" and data is not None:
+        if data == Shard(1) and stored == Shard(0):  # its own out channels, normalised by their weights
+            return CONV_COLWISE
+        if data == Shard(0):
+            return FSDP if isinstance(stored, Shard) else DDP
+        if data == stored == Replicate():
             return REPLICATE
     elif not use.op and data is not None:
         if data == Shard(1) and stored == Replicate():
@@ -99,17 +120,43 @@ def weight_uses(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dic
         module, _, _ = fqn.rpartition(".")
         if module:
             by_module.setdefault(module, []).append(fqn)
+    nodes = list(nodes)
     forward: dict[str, list[NodePlan]] = {m: [] for m in by_module}
     for node in nodes:
         if node.phase == "forward" and node.module in forward:
             forward[node.module].append(node)
+    after = conv_norms(nodes, params)
     uses = {}
     for module, fqns in by_module.items():
         experts = any(n.op == _BMM or n.op in _GROUPED for n in forward[module])
         weight = f"{module}.weight" if f"{module}.weight" in fqns else fqns[0] if len(fqns) == 1 or experts else None
-        if weight is not None:
+        if weight is None:
+            continue
+        if module in after:  # a batch norm: what it normalises is its convolution's output
+            conv = next(n for n in reversed(forward[after[module]]) if n.op == _CONV)
+            uses[module] = WeightUse("channels", params[weight], data=conv.outputs[0])
+        else:
             uses[module] = _use(params[weight], forward[module])
     return uses
+
+
+def conv_norms(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dict[str, str]:
+    """Module FQN -> the convolution module it follows: a module of parameters, computing no matmul
+    or convolution, whose first forward op that computes comes right after that convolution
+    module's last (a ``Conv2d`` then its ``BatchNorm2d``, with no op between them)."""
+    modules = {fqn.rpartition(".")[0] for fqn in params}
+    computing = [n for n in nodes if n.phase == "forward" and n.compute_s > 0]
+    convs = {n.module for n in computing if n.op == _CONV}
+    heavy = {n.module for n in computing if n.op in (_CONV, *_MATMULS, _EMBEDDING, _BMM, *_GROUPED)}
+    out: dict[str, str] = {}
+    seen = {computing[0].module} if computing else set()
+    for before, node in zip(computing, computing[1:]):
+        module = node.module
+        if module != before.module and module not in seen:
+            seen.add(module)
+            if before.module in convs and module in modules and module not in heavy and module:
+                out[module] = before.module
+    return out
 
 
 def module_styles(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> dict[str, tuple[str, ...]]:
@@ -121,13 +168,18 @@ def module_styles(nodes: Iterable[NodePlan], params: dict[str, Placements]) -> d
 
 
 def _use(stored: Placements, forward: list[NodePlan]) -> WeightUse:
-    """The weight's use by the module's matmul or embedding (read unknown where its calls differ), else,
-    for an elementwise module, the placement all its computing ops output (unknown where they differ)."""
+    """The weight's use by the module's matmul, embedding or convolution (read unknown where its calls
+    differ), else, for an elementwise module, the placement all its computing ops output (unknown
+    where they differ)."""
     transposed = any(n.op == _TRANSPOSE for n in forward)
     matmuls = {
         (_transpose(n.inputs[-1]) if transposed else n.inputs[-1], n.inputs[-2]) for n in forward if n.op in _MATMULS
     }
     lookups = {(n.inputs[0], n.inputs[1]) for n in forward if n.op == _EMBEDDING}
+    convs = {(n.inputs[1], n.inputs[0]) for n in forward if n.op == _CONV}
+    if convs:
+        (read, data), *others = convs
+        return WeightUse("conv", stored, None if others else read, None if others else data)
     for op, kind in ((_BMM,), "experts"), (_GROUPED, "grouped"):
         # a later matmul of the experts reading their rows where the first left them reads its tokens whole
         experts = {(n.inputs[1], _whole(n.inputs[0])) for n in forward if n.op in op}

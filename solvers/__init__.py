@@ -10,11 +10,22 @@ Typical use::
 
 from .model import LinearModel, ModelBuilder
 from .pulp_backend import to_pulp
-from .result import OPTIMALITY_GAP, InfeasibleError, SolveOptions, SolveResult, SolverTimeoutError, SolveStatus
+from .result import (
+    OPTIMALITY_GAP,
+    STOP_RESTRICTED,
+    STOP_TIME_LIMIT,
+    InfeasibleError,
+    SolveOptions,
+    SolveResult,
+    SolverTimeoutError,
+    SolveStatus,
+)
 from .solve import Screen, solve
 
 __all__ = [
     "OPTIMALITY_GAP",
+    "STOP_RESTRICTED",
+    "STOP_TIME_LIMIT",
     "Screen",
     "SolveOptions",
     "InfeasibleError",

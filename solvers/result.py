@@ -28,13 +28,21 @@ def relative_gap(objective: float, bound: float) -> float:
     return abs(objective - bound) / max(abs(objective), 1e-12)
 
 
+STOP_TIME_LIMIT = "time limit"  # ``SolveResult.stop``: a pass stopped at its time limit
+STOP_RESTRICTED = "restricted"  # the best point over the columns kept, against the whole model's bound
+
+
 def _json_float(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
 @dataclass(frozen=True)
 class SolveResult:
-    """Outcome of ``solve``; ``x`` has integer columns rounded to exact integers."""
+    """Outcome of ``solve``; ``x`` has integer columns rounded to exact integers. ``stop``: what ended
+    the search short of proving ``mip_rel_gap`` where it did, ``STOP_TIME_LIMIT`` (a pass stopped at
+    its time limit: ``time_limit``, or ``improve_s`` without one) or ``STOP_RESTRICTED`` (the best
+    point over the columns a screen or the priced LP kept, searched to its end, against the whole
+    model's bound); ``""`` otherwise."""
 
     status: SolveStatus
     objective: float
@@ -49,6 +57,7 @@ class SolveResult:
     n_rows: int
     n_nonzeros: int
     n_integer: int
+    stop: str = ""
 
     def to_dict(self) -> dict:
         """JSON-friendly view: enum as its value, non-finite floats as None, ``x`` as a list."""
@@ -66,6 +75,7 @@ class SolveResult:
             "n_rows": self.n_rows,
             "n_nonzeros": self.n_nonzeros,
             "n_integer": self.n_integer,
+            "stop": self.stop,
         }
 
 

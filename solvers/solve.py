@@ -19,6 +19,8 @@ from .pricing import priced_lp
 from .pulp_backend import solve_cbc
 from .result import (
     OPTIMALITY_GAP,
+    STOP_RESTRICTED,
+    STOP_TIME_LIMIT,
     InfeasibleError,
     RawSolution,
     SolveOptions,
@@ -141,6 +143,7 @@ def _result(
     objective: float,
     bound: float,
     lp_was_integral: bool = False,
+    stop: str = "",
 ) -> SolveResult:
     return SolveResult(
         status=status,
@@ -156,6 +159,7 @@ def _result(
         n_rows=model.n_rows,
         n_nonzeros=model.n_nonzeros,
         n_integer=model.n_integer,
+        stop=stop,
     )
 
 
@@ -190,7 +194,8 @@ def _finish(
         bound = max(raw.bound, lp_bound)
         tight = opts.mip_rel_gap <= OPTIMALITY_GAP or relative_gap(objective, bound) <= OPTIMALITY_GAP
         status = SolveStatus.OPTIMAL if raw.status is SolveStatus.OPTIMAL and tight else SolveStatus.FEASIBLE
-        return _result(model, backend, passes, status, x, objective, bound)
+        stop = STOP_TIME_LIMIT if raw.hit_limit else ""
+        return _result(model, backend, passes, status, x, objective, bound, stop=stop)
     x = raw.x if raw.x is not None else np.full(model.n_cols, np.nan)
     objective = -math.inf if raw.status is SolveStatus.UNBOUNDED else math.nan
     return _result(model, backend, passes, raw.status, x, objective, -math.inf)
@@ -485,7 +490,11 @@ def _priced(st: _Solve, screen: Screen, rounding: Callable[[np.ndarray], np.ndar
     x = full.copy()
     x[keep] = point.x
     objective = model.objective_value(x)
-    return _result(model, st.name, st.passes, _within(relative_gap(objective, lp.bound)), x, objective, lp.bound)
+    gap = relative_gap(objective, lp.bound)
+    stop = ""  # short of the gap, the MIP over the columns kept ended: at its limit, or at their optimum
+    if gap > max(st.options.mip_rel_gap, OPTIMALITY_GAP):
+        stop = point.stop or STOP_RESTRICTED
+    return _result(model, st.name, st.passes, _within(gap), x, objective, lp.bound, stop=stop)
 
 
 def _sub_rounding(
@@ -562,14 +571,17 @@ def _screened(
                 return None
             sub_start = best[0][keep]
         left = None if time_limit is None else max(time_limit - (perf_counter() - started), 0.0)
+        stop = STOP_RESTRICTED
         try:
             found = whole(sub, _sub_rounding(rounding, full, keep), left, sub_start)
-        except (InfeasibleError, SolverTimeoutError):
+        except InfeasibleError:
             found = None
+        except SolverTimeoutError:
+            found, stop = None, STOP_TIME_LIMIT
         if found is None or found.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
             if best is None:
                 return None
-            return _result(model, backend, [], _within(relative_gap(best[1], bound)), *best, bound)
+            return _result(model, backend, [], _within(relative_gap(best[1], bound)), *best, bound, stop=stop)
         x = full.copy()
         x[keep] = found.x
         objective = model.objective_value(x)

@@ -21,7 +21,7 @@ from autoplan import (
 from autoplan.adapters.dtensor import has_full_rule, single_dim_rules
 from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.shard.strategies import output_vals, tensor_inputs
-from solvers import InfeasibleError
+from solvers import STOP_RESTRICTED, STOP_TIME_LIMIT, InfeasibleError
 
 aten = torch.ops.aten
 R, S0 = Replicate(), Shard(0)
@@ -84,6 +84,31 @@ def test_memory_constraint_arguments_are_checked(llama, mesh):
             ap.add_memory_constraint(param_fraction=0)
         with pytest.raises(ConstraintError, match="param_fraction"):
             ap.add_memory_constraint(param_fraction=1.5)
+
+
+def test_every_error_is_an_autoplan_error_and_the_built_in_one(mesh):
+    """The lowering's errors are ``AutoplanError``s and still ``RuntimeError``s; a parameter budget no
+    plan meets raises ``autoplan.InfeasiblePlanError`` (exported), an ``InfeasibleError`` too; and
+    ``autoplan.errors`` imports no stage of the pipeline (the stages import it)."""
+    import ast
+    from pathlib import Path
+
+    import autoplan
+    from autoplan.lower.validate import GraphCheckError, LoweringError
+
+    for cls in (LoweringError, GraphCheckError):
+        assert issubclass(cls, autoplan.AutoplanError) and issubclass(cls, RuntimeError), cls
+    assert "InfeasiblePlanError" in autoplan.__all__
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        ap.add_memory_constraint(param_bytes=1)
+        with pytest.raises(autoplan.InfeasiblePlanError) as info:
+            ap.optimize_placement()
+    assert isinstance(info.value, (autoplan.AutoplanError, InfeasibleError))
+    assert info.value.smallest_param_bytes > 1
+    tree = ast.parse(Path(autoplan.errors.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in imported if m.split(".")[0] == "autoplan"}, imported
 
 
 # ---- constraints that cannot apply to this model and mesh -----------------------------------
@@ -292,9 +317,8 @@ def test_only_parameters_are_split_unevenly():
             assert all(shape[p.dim] % 8 == 0 for p in placements if isinstance(p, Shard)), (n.name, placements, shape)
 
 
-def test_a_plan_the_solver_stopped_on_warns_with_its_gap(monkeypatch, mesh):
-    """When the time limit stops the solver with a plan 5% from its bound (made to happen here by
-    reporting the real solve's result so), the plan comes back and a warning gives the gap."""
+def _stopped_with(monkeypatch, stop: str) -> None:
+    """The real solve's result reported 5% from its bound, ended by ``stop`` (``SolveResult.stop``)."""
     import dataclasses
 
     import autoplan.solve.planner
@@ -303,13 +327,91 @@ def test_a_plan_the_solver_stopped_on_warns_with_its_gap(monkeypatch, mesh):
 
     def stopped_early(*args, **kwargs):
         out = real(*args, **kwargs)
-        return dataclasses.replace(out, result=dataclasses.replace(out.result, gap=0.05))
+        return dataclasses.replace(out, result=dataclasses.replace(out.result, gap=0.05, stop=stop))
 
     monkeypatch.setattr(autoplan.solve.planner, "solve_placement", stopped_early)
+
+
+def test_a_plan_the_solver_stopped_on_warns_with_its_gap(monkeypatch, mesh):
+    """When the time limit stops the solver with a plan 5% from its bound (made to happen here by
+    reporting the real solve's result so), the plan comes back and a warning gives the gap."""
+    _stopped_with(monkeypatch, STOP_TIME_LIMIT)
     with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8), time_limit=30.0) as ap:
         with pytest.warns(UserWarning, match=r"stopped at time_limit=30.0 s, .* within 5.00% of its bound"):
             plan = ap.optimize_placement()
     assert plan.param_placements
+
+
+@pytest.mark.parametrize(
+    "stop, said",
+    [
+        (STOP_TIME_LIMIT, r"stopped at its 30 s limit for improving a found plan, after {s} s of solving, with"),
+        (STOP_RESTRICTED, r"ended after {s} s of solving, no time limit reached: it searched to its end the columns"),
+        ("", r"ended after {s} s of solving without proving its gap, no time limit reached, with"),
+    ],
+    ids=["time-limit", "restricted", "neither"],
+)
+def test_the_gap_warning_says_what_ended_the_search(monkeypatch, mesh, stop, said):
+    """Without a time limit, a plan short of its gap warns of what ended the search, as the solver
+    reports it, and of the seconds the solve really took; only a pass stopped at a time limit is
+    said to have stopped at one (a plan found in seconds no longer reads as stopped at 30 s)."""
+    _stopped_with(monkeypatch, stop)
+    with AutoParallel(mlp(), mesh, input_fn=lambda: torch.randn(8, 8)) as ap:
+        with pytest.warns(UserWarning, match="within 5.00% of its bound") as caught:
+            plan = ap.optimize_placement()
+    message = str(next(w.message for w in caught if "of its bound" in str(w.message)))
+    assert re.search(said.format(s=re.escape(f"{plan.timings['solve']:.1f}")), message), message
+    assert ("30 s" in message) == (stop == STOP_TIME_LIMIT)
+
+
+def test_a_plan_found_in_seconds_does_not_read_as_stopped_at_30_s(mesh):
+    """A small ResNet with the batch split at every convolution (``test_models``' pins): its ILP is
+    large enough for the priced LP, whose columns a MIP searches to the end in about a second, 1.4%
+    above the whole LP's bound; the warning says so, and no time limit (it once said 30 s)."""
+    from models import ResNet
+    from test_models import _batchnorm_means
+
+    with torch.device("meta"):
+        model = ResNet(classes=10)
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randn(16, 3, 16, 16)) as ap:
+        ap.add_input_constraints([(S0, R)])
+        ap.add_output_constraints([(S0, R)])
+        for name in ("convolution", "convolution_[0-9]*", "relu*"):
+            ap.add_node_constraint(name, (S0, R))
+        for n in _batchnorm_means(ap):
+            ap.add_node_constraint(n, (Partial("avg"), R))
+        with pytest.warns(UserWarning, match="of its bound") as caught:
+            plan = ap.optimize_placement()
+    message = str(next(w.message for w in caught if "of its bound" in str(w.message)))
+    said = f"the solver ended after {plan.timings['solve']:.1f} s of solving, no time limit reached: it searched"
+    assert message.startswith(said) and "30 s" not in message, message
+    assert plan.timings["solve"] < 30
+
+
+@pytest.mark.parametrize(
+    "seeded, polish_s, time_limit, said",
+    [
+        (False, None, None, "stopped at its 30 s limit for improving a found plan, after 11.7 s of solving"),
+        (False, None, 5.0, "stopped at time_limit=5.0 s, after 11.7 s of solving"),
+        (False, 12.5, None, "stopped at its 12.5 s limit for polishing the capped plan, after 11.7 s of solving"),
+        (True, None, None, "stopped at the 10 s limit of the recompute trial whose plan it kept, after 11.7 s"),
+        (True, None, 5.0, "stopped at time_limit=5.0 s, after 11.7 s of solving"),  # the trial had less than 10 s
+    ],
+)
+def test_a_time_limit_stop_names_the_limit_that_stopped_it(seeded, polish_s, time_limit, said):
+    """Of a solve stopped at a time limit, which one: the polish's and the recompute trials' own
+    limits (a longer ``time_limit`` does not raise them, so no advice to), else ``time_limit`` or,
+    without one, the 30 s a found plan is improved for; with the solve's own seconds."""
+    from types import SimpleNamespace
+
+    from autoplan.solve.planner import _stop_reason
+    from solvers import SolveOptions
+
+    solved = SimpleNamespace(result=SimpleNamespace(stop=STOP_TIME_LIMIT), seeded=seeded)
+    main = SimpleNamespace(solved=solved, solve_s=11.74, polish_s=polish_s)
+    why, advice = _stop_reason(main, SolveOptions(time_limit=time_limit))
+    assert why.startswith(said), why
+    assert ("raise time_limit" in advice) == (polish_s is None and not (seeded and time_limit is None))
 
 
 def test_mesh_must_be_a_device_mesh(llama):

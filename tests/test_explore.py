@@ -165,3 +165,48 @@ def test_what_if_on_one_trace():
         return sum(n.op == "aten.mm.default" and n.outputs[0][1] != Replicate() for n in plan.nodes.values())
 
     assert split_on_tp(slow_compute) > split_on_tp(base)
+
+
+def test_a_small_model_computing_replicated_says_so_and_what_splitting_costs(tp):
+    """A small ResNet (widths 16 and 32, 16 images of 16x16) on a (2, 4) mesh with batch-split I/O:
+    its plan gathers the batch and every forward compute op runs whole on each rank, which the summary
+    says, with the best plan that splits them, slower by the same cost model (and back from JSON).
+    A tensor-parallel LLaMA splits most of its compute time: the count and share, no comparison."""
+    import re
+
+    from models import ResNet
+    from torch.distributed.tensor import Shard
+
+    from autoplan.plan import forward_compute, replicated, replicated_compute
+
+    with torch.device("meta"):
+        model = ResNet(widths=(16, 32), classes=8)
+    with AutoParallel(model, fake_mesh((2, 4), ("dp", "tp")), input_fn=lambda: torch.randn(16, 3, 16, 16)) as ap:
+        ap.add_input_constraints([(Shard(0), Replicate())])
+        ap.add_output_constraints([(Shard(0), Replicate())])
+        plan = ap.optimize_placement()
+    compute = forward_compute(plan.nodes.values())
+    assert {"aten.convolution.default", "aten.mean.dim", "aten.addmm.default"} <= {n.op for n in compute}
+    assert all(n.compute_s > 0 and n.phase == "forward" for n in compute)
+    assert all(replicated(n.outputs, n.inputs) for n in compute)
+    lines = plan.summary().splitlines()
+    said = (
+        f"compute replicated on all ranks: {len(compute)} of {len(compute)} forward ops, 100.0% of their compute time"
+    )
+    assert lines[2] == said
+    split, chosen = plan.ilp["split_objective"], plan.ilp["objective"]
+    assert split > chosen
+    assert re.fullmatch(
+        rf"  why: the best plan splitting every forward op that can split takes {split * 1e3:.3f} ms per step"
+        rf" against this plan's {chosen * 1e3:.3f} ms \(the ILP's estimates\): its collectives cost more .*",
+        lines[3],
+    )
+    assert Plan.from_json(plan.to_json()).summary() == plan.summary()
+    whole, total, share = replicated_compute(tp.nodes.values())
+    assert share < 0.5 and tp.ilp["split_objective"] is None
+    tp_lines = tp.summary().splitlines()
+    assert (
+        tp_lines[2]
+        == f"compute replicated on all ranks: {whole} of {total} forward ops, {share:.1%} of their compute time"
+    )
+    assert not tp_lines[3].startswith("  why:")

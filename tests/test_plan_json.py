@@ -102,6 +102,7 @@ def test_solver_and_ilp_reports_are_typed_and_save_as_the_dicts_they_replaced(pl
         "n_peak_steps",
         "objective",
         "refinements",
+        "split_objective",
     ]
     assert list(d["ilp"]["refinements"][0]) == ["layers", "n_vars", "n_rows", "status", "gap", "solve_s"] + [
         "gain_s",

@@ -12,6 +12,7 @@ import pulp
 import pytest
 
 from solvers import (
+    STOP_TIME_LIMIT,
     InfeasibleError,
     ModelBuilder,
     SolverTimeoutError,
@@ -129,10 +130,11 @@ def test_without_a_time_limit_the_mip_improves_a_found_point_for_improve_s_only(
     start[:3] = 1.0
     stopped = solve(model, start=start, improve_s=0.0)
     assert stopped.status is SolveStatus.FEASIBLE and stopped.gap > 1e-4
+    assert stopped.stop == STOP_TIME_LIMIT  # what ended it, for the planner's warning
     assert stopped.objective <= model.objective_value(start)
     assert runs[-1].start is not None and runs[-1].time_limit == 0.0 and not runs[-1].probing
     closed = solve(model, start=start)
-    assert closed.status is SolveStatus.OPTIMAL and closed.gap <= 1e-6
+    assert closed.status is SolveStatus.OPTIMAL and closed.gap <= 1e-6 and closed.stop == ""
     assert closed.objective <= stopped.objective
     assert runs[-1].time_limit == SolveOptions.improve_s
 

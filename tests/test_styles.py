@@ -15,6 +15,8 @@ from autoplan.bench.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoplan.plan import NodePlan
 from autoplan.styles import (
     COLWISE,
+    CONV_COLWISE,
+    CONV_ROWWISE,
     DDP,
     EXPERT,
     FSDP,
@@ -22,6 +24,7 @@ from autoplan.styles import (
     ROWWISE,
     SEQUENCE,
     WeightUse,
+    conv_norms,
     module_styles,
     style,
 )
@@ -150,6 +153,19 @@ def test_styles_come_back_from_json(plan):
         (WeightUse("experts", (S1,), (S1,), (S2,), out_dim=2), ROWWISE),
         (WeightUse("experts", (S0,), (R,), (S1,), out_dim=2), FSDP),
         (WeightUse("experts", (S0,), (R,), (S0,), out_dim=2), "w S(0)->R, x S(0)"),
+        # a convolution's weight [out, in, kh, kw] against activations [batch, in channels, h, w]
+        (WeightUse("conv", (S0,), (S0,), (R,)), CONV_COLWISE),
+        (WeightUse("conv", (S1,), (S1,), (S1,)), CONV_ROWWISE),
+        (WeightUse("conv", (S0,), (R,), (S0,)), FSDP),
+        (WeightUse("conv", (R,), (R,), (S0,)), DDP),
+        (WeightUse("conv", (R,), (R,), (R,)), REPLICATE),
+        (WeightUse("conv", (S2,), (S2,), (R,)), "w S(2), x R"),  # a kernel dim: no style
+        # its batch norm, on the convolution's output [batch, out channels, h, w]
+        (WeightUse("channels", (S0,), data=(S1,)), CONV_COLWISE),
+        (WeightUse("channels", (S0,), data=(S0,)), FSDP),
+        (WeightUse("channels", (R,), data=(S0,)), DDP),
+        (WeightUse("channels", (R,), data=(R,)), REPLICATE),
+        (WeightUse("channels", (R,), data=(S1,)), "w R, x S(1)"),  # channels split, weight whole: not SP
     ],
 )
 def test_style_of_one_mesh_dim(use, expected):
@@ -226,3 +242,57 @@ def test_grouped_matmul_experts_read_as_expert_parallel():
     with the tokens split, FSDP."""
     experts = WeightUse("grouped", stored=(S0, S0), read=(S0, R), data=(R, Shard(0)), out_dim=2)
     assert (style(experts, 0), style(experts, 1)) == (EXPERT, FSDP)
+
+
+def test_a_conv_split_on_out_channels_and_its_batch_norm_read_as_one_colwise_block():
+    """A convolution whose weight is stored and read split on its out channels on tp (its batch
+    split on dp, where the weight is gathered), then its batch norm on that output, weights split
+    on tp alike: the conv analogue of colwise on tp for both, FSDP and DDP on dp; the norm pairs
+    with the convolution it follows, and not with one an op stands between."""
+    conv_out = (S0, S1)
+    nodes = [
+        node("conv", "convolution", "conv1", ((S0, R), (R, S0)), (conv_out,)),
+        node("mean", "mean", "bn1", (conv_out,), ((Partial(), S0),)),
+        node("sub", "sub", "bn1", (conv_out, (R, S0)), (conv_out,)),
+        node("conv_1", "convolution", "conv2", ((S0, S1), (R, S1)), ((S0, Partial()),)),
+        node("relu", "relu", "", ((S0, R),), ((S0, R),)),
+        node("mul", "mul", "bn2", ((S0, R), (R, R)), ((S0, R),)),
+    ]
+    params = {
+        "conv1.weight": (S0, S0),
+        "bn1.weight": (R, S0),
+        "bn1.bias": (R, S0),
+        "conv2.weight": (R, S1),
+        "bn2.weight": (R, R),
+        "bn2.bias": (R, R),
+    }
+    assert conv_norms(nodes, params) == {"bn1": "conv1"}
+    assert module_styles(nodes, params) == {
+        "conv1": (FSDP, CONV_COLWISE),
+        "bn1": (DDP, CONV_COLWISE),
+        "conv2": (DDP, CONV_ROWWISE),
+        "bn2": (DDP, REPLICATE),  # after the relu, an elementwise module of its own
+    }
+
+
+def test_a_resnets_table_groups_each_convolution_with_its_batch_norm():
+    """A ResNet under FSDP's parameter budget: each block's convolutions and batch norms (and the
+    stem's, and a shortcut's, siblings in an ``nn.Sequential``) read as one row of FSDP, in the
+    summary's table too; ``styles_by_module`` keeps every module apart."""
+    from models import ResNet
+
+    mesh = fake_mesh((2, 4), ("dp", "tp"))
+    with torch.device("meta"):
+        model = ResNet(widths=(16, 32), classes=8)
+    with AutoParallel(model, mesh, input_fn=lambda: torch.randn(64, 3, 32, 32)) as ap:
+        ap.add_input_constraints([(S0, R)])
+        ap.add_output_constraints([(S0, R)])
+        ap.add_memory_constraint(param_fraction=1 / 8)
+        plan = ap.optimize_placement()
+    styles = plan.styles()
+    assert list(styles) == ["stem.0+1", "blocks.*.conv1+bn1", "blocks.*.conv2+bn2", "blocks.*.shortcut.0+1", "fc"]
+    assert set(styles.values()) == {(FSDP, FSDP)}
+    by_module = plan.styles_by_module()
+    assert by_module["blocks.0.conv1"] == by_module["blocks.0.bn1"] == (FSDP, FSDP)
+    table = plan.summary().splitlines()
+    assert any(line.split() == ["blocks.*.conv1+bn1", FSDP, FSDP, "4"] for line in table), table

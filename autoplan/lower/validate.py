@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.adapters.ops import OpOverload, schema
 from autoplan.adapters.pytree import tree_flatten
+from autoplan.errors import AutoplanError
 from autoplan.lower.collectives import is_c10d_collective
 from autoplan.lower.passes.contiguity import contiguous_by_construction
 
@@ -36,12 +37,12 @@ _HOST_SYNCS = {
 }
 
 
-class LoweringError(RuntimeError):
+class LoweringError(AutoplanError, RuntimeError):
     """The plan and DTensor disagree about a node (a planner bug, reported with the node), or a node
     the mesh's devices cannot run as planned."""
 
 
-class GraphCheckError(RuntimeError):
+class GraphCheckError(AutoplanError, RuntimeError):
     """A lowered graph that would fail (or stall) on the mesh's devices, with the node at fault."""
 
 

@@ -37,7 +37,7 @@ TIE_BREAK = 1e-3
 # for the full MIP that improves the seed (``SolveOptions.polish_s``: its LP bound is weak under a
 # tight cap, proving the gap can take many minutes, while the seed is rarely improved by more than
 # a few percent).
-_TRIAL_S = 10.0
+TRIAL_S = 10.0
 _SEED_S = 90.0
 POLISH_S = SolveOptions.polish_s
 # Rows above which a re-solve first tries ``autoplan.solve.certify``'s bound on its start: below, its own
@@ -519,7 +519,7 @@ def _seed(problem, fixed, budgets, opts: SolveOptions, options) -> UnitChoice | 
 
     The recompute options' big-M rows make the MIP an order of magnitude slower, and its LP bound
     weak, while with the options fixed it is a placement ILP solved in seconds. So try, each within
-    ``_TRIAL_S``: no option on (often within the gap of the LP bound already); else, per option
+    ``TRIAL_S``: no option on (often within the gap of the LP bound already); else, per option
     kind, the fewest layers recomputing it, the earliest first (their saved activations live
     longest: recomputing an earlier layer frees as much at every step as a later one's), found
     by bisection; the cheapest of those. ``None`` when no trial finds a plan within ``_SEED_S``.
@@ -527,7 +527,7 @@ def _seed(problem, fixed, budgets, opts: SolveOptions, options) -> UnitChoice | 
     deadline = time.perf_counter() + (_SEED_S if opts.time_limit is None else min(opts.time_limit, _SEED_S))
 
     def trial(on: set[int]) -> UnitChoice | None:
-        left = min(deadline - time.perf_counter(), _TRIAL_S)
+        left = min(deadline - time.perf_counter(), TRIAL_S)
         if left <= 0:
             return None
         return _with_options_on(problem, fixed, budgets, replace(opts, time_limit=left), options, on)

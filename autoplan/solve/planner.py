@@ -25,11 +25,22 @@ from autoplan.cost.costs import CostModel
 from autoplan.cost.devices import DeviceProfile, dtype_name
 from autoplan.errors import ConstraintError, InfeasiblePlanError, SolverLimitError
 from autoplan.heap import collector_paused
-from autoplan.plan import CostBreakdown, MemoryReport, NodePlan, Plan, Redistribution, placements_str
+from autoplan.plan import (
+    REPLICATED_SHARE,
+    CostBreakdown,
+    MemoryReport,
+    NodePlan,
+    Plan,
+    Redistribution,
+    forward_compute,
+    placements_str,
+    replicated,
+    replicated_compute,
+)
 from autoplan.shard.strategies import NodeStrategies, Placements, Strategy
 from autoplan.solve import mismatch
 from autoplan.solve.evaluate import alternatives, evaluate, expand_choice
-from autoplan.solve.ilp import POLISH_S, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
+from autoplan.solve.ilp import POLISH_S, TRIAL_S, FixedRows, NoSeedError, RecomputeVar, UnitChoice, solve_placement
 from autoplan.solve.peak import PEAK_GROUP, ParamShard, PeakRows, Point, option_name, param_group, peak_group
 from autoplan.solve.problem import (
     PlacementProblem,
@@ -42,13 +53,14 @@ from autoplan.solve.reports import IlpReport, Refinement, SolverReport
 from autoplan.trace import recompute
 from autoplan.trace.clustering import Clustering, untie
 from autoplan.trace.tracing import TracedGraph
-from solvers import OPTIMALITY_GAP, InfeasibleError, SolveOptions, SolverTimeoutError
+from solvers import OPTIMALITY_GAP, STOP_RESTRICTED, STOP_TIME_LIMIT, InfeasibleError, SolveOptions, SolverTimeoutError
 
 log = logging.getLogger(__name__)
 _PEAK_ROUNDS = 5  # solves at most, each bounding the peak at more steps
 DEFAULT_GAP = 1e-2  # relative MIP gap a plan is certified within by default (``AutoParallel``)
 NO_RECOMPUTE = "none"
 _SMALLEST_PEAK_S = 60.0  # time for finding the least peak an infeasible cap's error reports
+_SPLIT_S = 10.0  # time for the plan splitting the forward compute a mostly replicated plan is compared with
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class _Solved:
     steps: dict[Point, float]
     build_s: float
     solve_s: float
+    polish_s: float | None = None  # the plan is the polish's, which had these seconds at most
 
 
 @dataclass
@@ -313,7 +326,7 @@ class Planner:
         report, _ = self.estimate(chosen, _choice(solved.recompute), request)
         if _over(report, request) or solved.objective_without_tie_break > done.solved.objective_without_tie_break:
             return spent  # the polish moved the peak where no row bounds it, or found nothing better
-        return dataclasses.replace(spent, problem=problem, solved=solved, chosen=chosen)
+        return dataclasses.replace(spent, problem=problem, solved=solved, chosen=chosen, polish_s=left)
 
     def _start_of(self, plan: Plan | None) -> dict[fx.Node, Strategy] | None:
         """Every node's strategy in ``plan``, a plan of this graph on this mesh (``PlanMismatchError``
@@ -450,13 +463,15 @@ class Planner:
         except SolverTimeoutError as e:
             raise SolverLimitError(e, time.perf_counter() - t0) from e
         problem, solved = main.problem, main.solved
-        self._warn_if_stopped_early(solved)
+        self._warn_if_stopped_early(main)
         t1 = time.perf_counter()
         refined = self._refine_boundaries(request, cost_model, main, t0)
         t2 = time.perf_counter()
         choice = _choice(solved.recompute)
         priced = self._priced(request, cost_model, problem, refined, choice)
         t3 = time.perf_counter()
+        split = self._split_objective(request, cost_model, main, priced.nodes)
+        t4 = time.perf_counter()
         log.info(
             "solved (%s, gap %s): estimated step %.3f ms, %.1f s elapsed",
             solved.result.status.value,
@@ -471,6 +486,7 @@ class Planner:
             "solve": main.solve_s,
             "refine": t2 - t1,
             "plan": t3 - t2,
+            **({"split": t4 - t3} if split is not None else {}),
         }
         return Plan(
             mesh_shape=self.mesh_shape,
@@ -494,6 +510,7 @@ class Planner:
                 n_peak_steps=len(refined.steps),
                 objective=refined.objective,
                 refinements=refined.refinements,
+                split_objective=split,
             ),
             timings=timings,
             layer_classes=[list(c) for c in refined.clustering.classes],
@@ -505,18 +522,43 @@ class Planner:
             precision=tg.precision,
         )
 
-    def _warn_if_stopped_early(self, solved: UnitChoice) -> None:
-        """A warning when the main solve stopped at a time limit outside the gap asked for."""
-        time_limit, mip_rel_gap = self.solve_options.time_limit, self.solve_options.mip_rel_gap
-        if solved.result.gap > max(mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
-            if time_limit is not None:
-                limit = f"time_limit={time_limit} s"
-            else:  # the limit on improving a plan already found (polish_s for a seed, improve_s: 30 s each)
-                limit = f"its {POLISH_S:g} s limit for improving a found plan"
+    def _split_objective(
+        self, request: Request, cost_model: CostModel, main: _Solved, nodes: dict[str, NodePlan]
+    ) -> float | None:
+        """Where replicated ops take at least ``REPLICATED_SHARE`` of the forward compute time
+        (``replicated_compute``), the ILP objective of the best plan in which each forward compute
+        op that has a strategy splitting it takes one, for the summary to say what splitting costs
+        (the layers tied, as in the main solve, within ``_SPLIT_S``); else, or where no such plan is
+        found, ``None``."""
+        if replicated_compute(nodes.values())[2] < REPLICATED_SHARE:
+            return None
+        names = {c.name for c in forward_compute(nodes.values())}
+        strategies = dict(self.strategies)
+        for n in self.tg.gm.graph.nodes:
+            r = self.clustering.rep.get(n)
+            if n.name in names and r in strategies:
+                split = tuple(s for s in self.strategies[r].strategies if not replicated(s.outputs, s.inputs))
+                if split:
+                    strategies[r] = dataclasses.replace(self.strategies[r], strategies=split)
+        opts = dataclasses.replace(self.solve_options, time_limit=_SPLIT_S, diagnose=False, polish_s=0.0)
+        try:
+            _, solved, _ = self._solve(
+                request, self.clustering, strategies, cost_model, main.steps, opts, least=main.problem.least_compute
+            )
+        except (InfeasibleError, SolverTimeoutError, ConstraintError) as e:
+            log.info("no plan splitting the replicated forward compute within %.0f s: %s", _SPLIT_S, e)
+            return None
+        return solved.objective_without_tie_break
+
+    def _warn_if_stopped_early(self, main: _Solved) -> None:
+        """A warning when the main solve's plan is outside the gap asked for, saying what ended the
+        search (``_stop_reason``)."""
+        mip_rel_gap, result = self.solve_options.mip_rel_gap, main.solved.result
+        if result.gap > max(mip_rel_gap, OPTIMALITY_GAP) * (1 + 1e-9):
+            why, advice = _stop_reason(main, self.solve_options)
             warnings.warn(
-                f"the solver stopped at {limit}, with the best plan so far, within"
-                f" {solved.result.gap:.2%} of its bound (mip_rel_gap={mip_rel_gap:g} was asked): raise"
-                " time_limit for a better one",
+                f"the solver {why}, with the best plan so far, within {result.gap:.2%} of its bound"
+                f" (mip_rel_gap={mip_rel_gap:g} was asked){advice}",
                 stacklevel=4,
             )
 
@@ -603,6 +645,31 @@ class Planner:
                 if n in options:
                     options[n] = tuple(s for s in options[n] if s.outputs[0] == tuple(placements))
         return options
+
+
+def _stop_reason(main: _Solved, opts: SolveOptions) -> tuple[str, str]:
+    """What ended the main solve short of its gap, with its ILP seconds (``main.solve_s``, every
+    round), and what to do about it: a pass at its time limit (the capped plan's polish at
+    ``POLISH_S`` or what was left of ``time_limit``, a recompute trial at ``TRIAL_S``, else the
+    user's ``time_limit`` or, without one, the MIP improving a found plan at ``improve_s``), the
+    search's end over the columns its LP screen or pricing kept, or neither (a bound no pass
+    tightened)."""
+    solved, spent = main.solved, f"{main.solve_s:.1f} s of solving"
+    if solved.result.stop == STOP_TIME_LIMIT:
+        # the polish and the trials have limits of their own, which a longer time_limit does not raise
+        if main.polish_s is not None:
+            return f"stopped at its {main.polish_s:.3g} s limit for polishing the capped plan, after {spent}", ""
+        if solved.seeded and (opts.time_limit is None or opts.time_limit > TRIAL_S):
+            return f"stopped at the {TRIAL_S:g} s limit of the recompute trial whose plan it kept, after {spent}", ""
+        if opts.time_limit is not None:
+            limit = f"time_limit={opts.time_limit} s"
+        else:
+            limit = f"its {opts.improve_s:g} s limit for improving a found plan"
+        return f"stopped at {limit}, after {spent}", ": raise time_limit for a better one"
+    if solved.result.stop == STOP_RESTRICTED:
+        why = f"ended after {spent}, no time limit reached: it searched to its end the columns its LP kept"
+        return why, " (its bound is the whole model's LP, which may sit below any plan: more time does not help)"
+    return f"ended after {spent} without proving its gap, no time limit reached", " (its bound is the LP's)"
 
 
 def _choice(names: tuple[str, ...]) -> dict[str, str]:

@@ -90,7 +90,9 @@ class IlpReport(_ReadsAsDict):
     """The main ILP's size (variables, of which edge pairs; rows; strategies dropped as dominated),
     how the graph was folded into it (units; nodes merged into a producer, or clustered into a
     repeated layer's representative; graph nodes), the peak steps bounded, the objective (seconds
-    per step) and the boundary re-solves."""
+    per step), the boundary re-solves and, where most of the forward compute runs replicated
+    (``plan.REPLICATED_SHARE``), the objective of the best plan that splits every forward compute
+    op that can split (``split_objective``; ``None``: not asked, or no such plan found)."""
 
     n_vars: int
     n_rows: int
@@ -103,6 +105,7 @@ class IlpReport(_ReadsAsDict):
     n_peak_steps: int
     objective: float
     refinements: list[Refinement] = field(default_factory=list)
+    split_objective: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> IlpReport:
