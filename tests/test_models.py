@@ -28,16 +28,17 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def run_both(build, batches, targets, constrain=lambda ap: None, shape=(2, 4), **settings):
     """Two AdamW steps of ``build()`` on one device and of its plan on a simulated mesh of ``shape``
-    (inputs and outputs split on the batch over its first dim; ``settings``: more ``AutoParallel``
-    keywords). Returns the plan, the lowered graph's collectives and what differs (an empty list
-    when all match)."""
+    (inputs and outputs split on the batch over its first dim; a batch is one tensor or a tuple of
+    ``forward``'s positional arguments; ``settings``: more ``AutoParallel`` keywords). Returns the
+    plan, the lowered graph's collectives and what differs (an empty list when all match)."""
+    batches = [b if isinstance(b, tuple) else (b,) for b in batches]
     torch.manual_seed(0)
     ref = build()
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses, ref_grads = [], {}
     for step, (x, y) in enumerate(zip(batches, targets)):
-        loss = _loss(ref(x), y)
+        loss = _loss(ref(*x), y)
         loss.backward()
         if step == 0:
             ref_grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
@@ -48,8 +49,9 @@ def run_both(build, batches, targets, constrain=lambda ap: None, shape=(2, 4), *
     mesh, io, ranks = fake_mesh(shape), (S0, *[R] * (len(shape) - 1)), math.prod(shape)
     with torch.device("meta"):
         model = build()
-    with AutoParallel(model, mesh, lambda: torch.randn(batches[0].shape), **settings) as ap:
-        ap.add_input_constraints([io])
+    example = [(t.shape, t.dtype) for t in batches[0]]  # input_fn runs under fake tensors: no data in it
+    with AutoParallel(model, mesh, lambda: tuple(torch.zeros(s, dtype=d) for s, d in example), **settings) as ap:
+        ap.add_input_constraints([io] * len(example))
         ap.add_output_constraints([io])
         constrain(ap)
         plan = ap.optimize_placement()
@@ -60,7 +62,8 @@ def run_both(build, batches, targets, constrain=lambda ap: None, shape=(2, 4), *
         pmod.load_state_dict(state)
         opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
         for step, (x, y) in enumerate(zip(batches, targets)):
-            out = DTensor.from_local(pmod(distribute_tensor(x, mesh, io).to_local()), mesh, io, run_check=False)
+            local = [distribute_tensor(t, mesh, io).to_local() for t in x]
+            out = DTensor.from_local(pmod(*local), mesh, io, run_check=False)
             loss = _loss(out, distribute_tensor(y, mesh, io))
             loss.backward()
             if not close(one_value(loss, ranks), ref_losses[step]):

@@ -4,14 +4,11 @@ runs with single-device numerics; a value read from the inputs or parameters sti
 
 import pytest
 import torch
-from conftest import fake_mesh
 from models import TorchTransformerSeq2Seq
-from parallel_run import close, one_value
+from test_models import run_both
 from torch import nn
-from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
-from autoplan import AutoParallel
 from autoplan.errors import TracingError
 from autoplan.trace import attention as attn
 from autoplan.trace import constants
@@ -31,60 +28,18 @@ def seq2seq_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return src, tgt, padded
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).square().mean()
-
-
 def _targets(seed: int) -> torch.Tensor:
     return torch.randn(BATCH, TGT, VOCAB, generator=torch.Generator().manual_seed(100 + seed))
 
 
 def run_seq2seq(build, steps: int = 2):
     """``steps`` AdamW steps of ``build()`` on one device and of its plan on a simulated (2, 4) mesh
-    (the three inputs and the logits split on the batch over the first dim). Returns the traced
-    graph and what differs: each step's loss, the first step's gradients (an empty list when all match)."""
+    (``test_models.run_both``: the three inputs and the logits split on the batch over the first
+    dim). Returns the traced graph and what differs (an empty list when all match)."""
     batches, targets = [seq2seq_inputs(s) for s in range(steps)], [_targets(s) for s in range(steps)]
-    torch.manual_seed(0)
-    ref = build()
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses, ref_grads = [], {}
-    for step, (batch, y) in enumerate(zip(batches, targets)):
-        loss = _loss(ref(*batch), y)
-        loss.backward()
-        if step == 0:
-            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-        ref_losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-
-    mesh, ranks = fake_mesh((2, 4)), 8
-    with torch.device("meta"):
-        model = build()
-    with AutoParallel(model, mesh, lambda: seq2seq_inputs(0)) as ap:
-        ap.add_input_constraints([IO] * 3)
-        ap.add_output_constraints([IO])
-        plan = ap.optimize_placement()
-        pmod = ap.apply_placement(plan)
-    differ = []
-    with LocalTensorMode(ranks):
-        pmod.to_empty(device="cpu")
-        pmod.load_state_dict(state)
-        opt = torch.optim.AdamW(pmod.parameters(), lr=1e-2)
-        for step, (batch, y) in enumerate(zip(batches, targets)):
-            local = [distribute_tensor(t, mesh, IO).to_local() for t in batch]
-            out = DTensor.from_local(pmod(*local), mesh, IO, run_check=False)
-            loss = _loss(out, distribute_tensor(y, mesh, IO))
-            loss.backward()
-            if not close(one_value(loss, ranks), ref_losses[step]):
-                differ.append(f"loss {step}")
-            if step == 0:
-                for n, p in pmod.named_parameters():
-                    if p.grad is None or not close(one_value(p.grad, ranks), ref_grads[n]):
-                        differ.append(n)
-            opt.step()
-            opt.zero_grad()
-    return ap.traced, differ
+    traced = []
+    _, _, differ = run_both(build, batches, targets, constrain=lambda ap: traced.append(ap.traced))
+    return traced[0], differ
 
 
 def _forward_targets(traced) -> list:
