@@ -101,26 +101,15 @@ def _unpacked(name: str, args) -> None:
         )
 
 
-def lstm(*args, **kwargs):
-    """``torch.lstm(input, (h0, c0), params, has_biases, num_layers, dropout, train, bidirectional,
-    batch_first)`` unrolled: (output, h_n, c_n)."""
-    _unpacked("lstm", args)
-    return _run("lstm", *args, **kwargs)
+def _traced(kind: str):
+    """``torch.<kind>(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+    batch_first)`` unrolled: (output, h_n) and, for an LSTM, c_n."""
+
+    def run(*args, **kwargs):
+        _unpacked(kind, args)
+        return _run(kind, *args, **kwargs)
+
+    return run
 
 
-def gru(*args, **kwargs):
-    _unpacked("gru", args)
-    return _run("gru", *args, **kwargs)
-
-
-def rnn_tanh(*args, **kwargs):
-    _unpacked("rnn_tanh", args)
-    return _run("rnn_tanh", *args, **kwargs)
-
-
-def rnn_relu(*args, **kwargs):
-    _unpacked("rnn_relu", args)
-    return _run("rnn_relu", *args, **kwargs)
-
-
-FUNCTIONS = {torch.lstm: lstm, torch.gru: gru, torch.rnn_tanh: rnn_tanh, torch.rnn_relu: rnn_relu}
+FUNCTIONS = {f: _traced(f.__name__) for f in (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)}
